@@ -1,0 +1,45 @@
+"""qkv: the attention mechanism, softmax(Q·Kᵀ/√d_k)·V, exact and explained step by step.
+
+The core needs NumPy only and works on NumPy arrays and PyTorch tensors alike.
+
+Example:
+    >>> import numpy as np, qkv
+    >>> q = k = v = np.eye(2)
+    >>> qkv.scaled_dot_product_attention(q, k, v).round(4)
+    array([[0.6698, 0.3302],
+           [0.3302, 0.6698]])
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from qkv import masks
+from qkv.attention import (
+    merge_heads,
+    multi_head_attention,
+    scaled_dot_product_attention,
+    self_attention,
+    softmax,
+    split_heads,
+)
+from qkv.trace import STEP_NAMES, Step, Trace, current_trace, tracing
+
+try:
+    __version__ = version("qkv")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0"
+
+__all__ = [
+    "STEP_NAMES",
+    "Step",
+    "Trace",
+    "__version__",
+    "current_trace",
+    "masks",
+    "merge_heads",
+    "multi_head_attention",
+    "scaled_dot_product_attention",
+    "self_attention",
+    "softmax",
+    "split_heads",
+    "tracing",
+]

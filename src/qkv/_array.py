@@ -1,0 +1,129 @@
+"""Array namespace helpers and the dtype policy.
+
+qkv computes with whatever library the inputs come from: NumPy arrays stay NumPy, PyTorch
+tensors stay PyTorch (same device, same dtype), through the array API standard as bridged by
+``array-api-compat``. Nothing here imports PyTorch: a tensor is recognised without it.
+
+Dtype policy:
+
+- inputs must be floating point (float16, bfloat16, float32, float64);
+- float16 and bfloat16 are computed in float32 and the results cast back;
+- Python lists and scalars are taken as NumPy float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import array_api_compat
+import numpy as np
+
+Array = Any
+"""An array of any supported library (NumPy ndarray or torch.Tensor)."""
+
+_HALF = ("float16", "bfloat16")
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+def library(x: object) -> str:
+    """The name of the library an array comes from: ``"numpy"``, ``"torch"`` or ``"other"``."""
+    if isinstance(x, np.ndarray | np.generic):
+        return "numpy"
+    if array_api_compat.is_torch_array(x):
+        return "torch"
+    return "other"
+
+
+def as_array(x: object, name: str) -> Array:
+    """Return ``x`` unchanged if it is a NumPy array or a tensor; lists become float64 arrays.
+
+    Raises:
+        TypeError: ``x`` is something else (a string, a dict, ...), with its type named.
+    """
+    if library(x) != "other" or array_api_compat.is_array_api_obj(x):
+        return x
+    if isinstance(x, list | tuple | int | float):
+        try:
+            return np.asarray(x, dtype=np.float64)
+        except ValueError as error:
+            raise ValueError(
+                f"{name} must be a rectangular array of numbers; could not read the list "
+                f"({error}). Hint: every row must have the same length."
+            ) from None
+    raise TypeError(
+        f"{name} must be a NumPy array or a PyTorch tensor, got {type(x).__name__}. "
+        f"Hint: wrap it with numpy.asarray({name})."
+    )
+
+
+def namespace(arrays: Sequence[tuple[str, Array | None]]) -> Any:
+    """The array API namespace shared by named arrays (``None`` entries are skipped).
+
+    Raises:
+        TypeError: the arrays come from different libraries, naming the first two that differ.
+        ValueError: PyTorch tensors on different devices.
+    """
+    given = [(name, a) for name, a in arrays if a is not None]
+    first_name, first = given[0]
+    for name, a in given[1:]:
+        if library(a) != library(first):
+            raise TypeError(
+                f"{first_name} is a {_kind(first)} but {name} is a {_kind(a)}: all inputs must "
+                "come from one library (mixed namespaces). Hint: convert with "
+                "torch.as_tensor(...) or tensor.numpy()."
+            )
+        if library(a) == "torch" and a.device != first.device:
+            raise ValueError(
+                f"{first_name} is on device {first.device} but {name} is on {a.device}. "
+                f"Hint: move both to one device, e.g. {name}.to({first_name}.device)."
+            )
+    return array_api_compat.array_namespace(*(a for _, a in given))
+
+
+def _kind(a: object) -> str:
+    return {"numpy": "NumPy array", "torch": "PyTorch tensor"}.get(library(a), type(a).__name__)
+
+
+def dtype_name(x: Array) -> str:
+    """The short dtype name of an array: ``"float32"``, ``"bool"``, ``"int64"`` ..."""
+    return str(x.dtype).removeprefix("torch.")
+
+
+def is_floating(x: Array) -> bool:
+    return dtype_name(x) in _FLOATS
+
+
+def is_bool(x: Array) -> bool:
+    return dtype_name(x) == "bool"
+
+
+def compute_dtype(xp: Any, x: Array) -> Any:
+    """The dtype the math runs in: float32 for half-precision inputs, else the input's own."""
+    return xp.float32 if dtype_name(x) in _HALF else x.dtype
+
+
+def is_torch_namespace(xp: Any) -> bool:
+    return bool(array_api_compat.is_torch_namespace(xp))
+
+
+def device(x: Array) -> Any:
+    return array_api_compat.device(x)
+
+
+def to_numpy(x: Array) -> np.ndarray:
+    """A NumPy copy of any array (a tensor is detached and moved to the CPU first).
+
+    bfloat16 has no NumPy dtype and comes back as float32.
+    """
+    if library(x) == "torch":
+        t = x.detach().to("cpu")
+        if dtype_name(t) == "bfloat16":
+            t = t.float()
+        return np.array(t.numpy(), copy=True)
+    return np.array(x, copy=True)
+
+
+def shape_str(shape: Sequence[int]) -> str:
+    """``(2, 3)`` for a shape, ``()`` for a scalar: how shapes appear in messages."""
+    return "(" + ", ".join(str(int(n)) for n in shape) + ("," if len(shape) == 1 else "") + ")"

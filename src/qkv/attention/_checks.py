@@ -1,0 +1,196 @@
+"""Input checks for the attention functions: fail early, name the argument, give a hint."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from qkv._array import Array, dtype_name, is_bool, is_floating, library, shape_str
+from qkv.masks import Mask, check_alignment
+
+
+def check_floating(x: Array, name: str) -> None:
+    if not is_floating(x):
+        raise TypeError(
+            f"{name} must have a floating-point dtype, got {dtype_name(x)}. "
+            f"Hint: convert it, e.g. {name}.astype(float) or {name}.float()."
+        )
+
+
+def check_ndim(x: Array, name: str, *, at_least: int, layout: str) -> None:
+    if x.ndim < at_least:
+        raise ValueError(
+            f"{name} must have at least {at_least} dimensions {layout}; got shape "
+            f"{shape_str(x.shape)}. Hint: a single vector v is v[None, :] (one row)."
+        )
+
+
+def check_same_dtype(arrays: Sequence[tuple[str, Array]]) -> None:
+    first_name, first = arrays[0]
+    for name, a in arrays[1:]:
+        if dtype_name(a) != dtype_name(first):
+            raise TypeError(
+                f"{first_name} is {dtype_name(first)} but {name} is {dtype_name(a)}: query, key "
+                "and value must share one dtype. Hint: cast them to one dtype first."
+            )
+
+
+def check_qkv(query: Array, key: Array, value: Array, *, enable_gqa: bool) -> None:
+    """Shapes of query (..., Hq, Lq, D), key (..., Hkv, Lk, D), value (..., Hkv, Lk, Dv)."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        check_floating(x, name)
+        check_ndim(x, name, at_least=2, layout="(..., L, D)")
+    check_same_dtype([("query", query), ("key", key), ("value", value)])
+    for name, x in (("key", key), ("value", value)):
+        if x.ndim != query.ndim:
+            raise ValueError(
+                f"{name} must have as many dimensions as query ({query.ndim}); got {name} "
+                f"{shape_str(x.shape)} and query {shape_str(query.shape)}. "
+                "Hint: the layout is (B, H, L, D) for all three, or (L, D) for one head."
+            )
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(
+            f"query and key must have the same last dimension d_k: query "
+            f"{shape_str(query.shape)} has d_k = {query.shape[-1]}, key {shape_str(key.shape)} "
+            f"has {key.shape[-1]}. Hint: each score is a dot product q·k of equal-length vectors."
+        )
+    if query.shape[-1] == 0:
+        raise ValueError(
+            f"d_k = 0: query {shape_str(query.shape)} has no features, so there is nothing to "
+            "compare. Hint: the last dimension of query and key is d_k and must be ≥ 1."
+        )
+    if key.shape[-2] != value.shape[-2]:
+        raise ValueError(
+            f"key and value must have the same length Lk (one value per key): key "
+            f"{shape_str(key.shape)} has Lk = {key.shape[-2]}, value {shape_str(value.shape)} "
+            f"has {value.shape[-2]}."
+        )
+    for name, x, what in (("query", query, "Lq"), ("key", key, "Lk")):
+        if x.shape[-2] == 0:
+            raise ValueError(
+                f"{name} is an empty sequence ({what} = 0, shape {shape_str(x.shape)}). "
+                "Hint: attention needs at least one query and one key."
+            )
+    if key.shape[:-2] != value.shape[:-2]:
+        raise ValueError(
+            f"key and value must share their batch and head dimensions: key "
+            f"{shape_str(key.shape)}, value {shape_str(value.shape)}."
+        )
+    if query.ndim >= 3:
+        check_heads(query.shape, key.shape, enable_gqa=enable_gqa)
+
+
+def check_heads(q_shape: Sequence[int], k_shape: Sequence[int], *, enable_gqa: bool) -> None:
+    hq, hkv = q_shape[-3], k_shape[-3]
+    if q_shape[:-3] != k_shape[:-3]:
+        raise ValueError(
+            f"query and key must have the same batch dimensions: query {shape_str(q_shape)}, "
+            f"key {shape_str(k_shape)}. Hint: the layout is (B, H, L, D)."
+        )
+    if hq == hkv:
+        return
+    if not enable_gqa:
+        raise ValueError(
+            f"query has {hq} heads but key and value have {hkv} (shapes {shape_str(q_shape)} "
+            f"and {shape_str(k_shape)}). Hint: for grouped-query attention (GQA/MQA) try "
+            "setting enable_gqa=True."
+        )
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(
+            f"grouped-query attention needs Hq divisible by Hkv: query has Hq = {hq} heads, "
+            f"key and value Hkv = {hkv}. Hint: each key/value head serves Hq / Hkv query heads, "
+            "so Hkv must divide Hq."
+        )
+
+
+def check_broadcast(x: Array, name: str, target: Sequence[int], legend: str, hint: str) -> None:
+    """x must broadcast to ``target`` (the scores' shape)."""
+    shape = tuple(x.shape)
+    fits = len(shape) <= len(target) and all(
+        s in (1, t) for s, t in zip(reversed(shape), reversed(target), strict=False)
+    )
+    if not fits:
+        raise ValueError(
+            f"{name} must broadcast to the scores' shape {legend} = {shape_str(target)}; got "
+            f"{shape_str(shape)}. Hint: {hint}"
+        )
+
+
+def check_mask(mask: Array | Mask | None, query: Array, scores_shape: Sequence[int]) -> None:
+    if mask is None or isinstance(mask, Mask):
+        return
+    if library(mask) == "other":
+        raise TypeError(
+            f"mask must be a boolean array or a qkv.masks.Mask, got {type(mask).__name__}. "
+            "Hint: build one with qkv.masks.causal(), key_padding(lengths), ..."
+        )
+    if library(mask) != library(query):
+        raise TypeError(
+            f"mask is a {library(mask)} array but query is a {library(query)} array: all inputs "
+            "must come from one library (mixed namespaces)."
+        )
+    if not is_bool(mask):
+        raise TypeError(
+            f"mask must be boolean (True = may attend), got {dtype_name(mask)}. Hint: an "
+            "additive 0/−inf mask goes in bias=..., or convert it with "
+            "qkv.masks.from_additive(m); a 0/1 mask converts with m.astype(bool)."
+        )
+    check_broadcast(
+        mask,
+        "mask",
+        scores_shape,
+        _legend(len(scores_shape)),
+        "True = may attend; one mask for all heads has shape (B, 1, Lq, Lk) or (Lq, Lk).",
+    )
+
+
+def check_bias(bias: Array | None, query: Array, scores_shape: Sequence[int]) -> None:
+    if bias is None:
+        return
+    if library(bias) != library(query):
+        raise TypeError(
+            f"bias is a {library(bias)} array but query is a {library(query)} array: all inputs "
+            "must come from one library (mixed namespaces)."
+        )
+    check_floating(bias, "bias")
+    check_broadcast(
+        bias,
+        "bias",
+        scores_shape,
+        _legend(len(scores_shape)),
+        "bias is added to the scaled scores, e.g. an ALiBi bias of shape (H, Lq, Lk).",
+    )
+
+
+def _legend(ndim: int) -> str:
+    letters = ("B", "H", "Lq", "Lk")
+    if ndim <= 4:
+        return "(" + ", ".join(letters[4 - ndim :]) + ")"
+    return "(..., B, H, Lq, Lk)"
+
+
+def check_options(scale: Any, dropout_p: Any, causal_alignment: Any) -> None:
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale)
+    ):
+        raise TypeError(
+            f"scale must be a finite number or None (meaning 1/√d_k), got {scale!r}. "
+            "Hint: scale=1.0 means no scaling."
+        )
+    if (
+        isinstance(dropout_p, bool)
+        or not isinstance(dropout_p, int | float)
+        or not 0.0 <= dropout_p < 1.0
+    ):
+        raise ValueError(
+            f"dropout_p must be a probability in [0, 1), got {dropout_p!r}. "
+            "Hint: dropout_p=0.1 drops one weight in ten while training."
+        )
+    check_alignment(causal_alignment)
+
+
+def check_positive_int(value: Any, name: str, hint: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}. Hint: {hint}")
+    return value
