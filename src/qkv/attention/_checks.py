@@ -77,8 +77,14 @@ def check_qkv(query: Array, key: Array, value: Array, *, enable_gqa: bool) -> No
             f"key and value must share their batch and head dimensions: key "
             f"{shape_str(key.shape)}, value {shape_str(value.shape)}."
         )
-    if query.ndim >= 3:
+    if query.ndim >= 4 or (query.ndim == 3 and enable_gqa):
         check_heads(query.shape, key.shape, enable_gqa=enable_gqa)
+    elif query.shape[:-2] != key.shape[:-2]:
+        raise ValueError(
+            f"query and key must have the same batch dimensions: query "
+            f"{shape_str(query.shape)}, key {shape_str(key.shape)}. Hint: for 3-D inputs the "
+            "first axis is the batch; for heads use (B, H, L, D), or enable_gqa=True."
+        )
 
 
 def check_heads(q_shape: Sequence[int], k_shape: Sequence[int], *, enable_gqa: bool) -> None:

@@ -100,11 +100,13 @@ def multi_head_attention(
         >>> import numpy as np
         >>> x = np.eye(4)                          # 4 tokens, d_model = 4
         >>> W = np.eye(4)                          # 2 heads of d_k = 2
-        >>> out = multi_head_attention(x, W, W, W, W, num_heads=2)
-        >>> out.shape
-        (4, 4)
-        >>> bool(np.allclose(out.sum(axis=-1), 2.0))   # each head's weights sum to 1
-        True
+        >>> out, weights = multi_head_attention(x, W, W, W, W, num_heads=2,
+        ...                                     return_weights=True)
+        >>> out.shape, weights.shape               # (Lq, Eo) and (H, Lq, Lk)
+        ((4, 4), (2, 4, 4))
+        >>> weights.sum(axis=-1)                   # each head's rows sum to 1
+        array([[1., 1., 1., 1.],
+               [1., 1., 1., 1.]])
     """
     x = as_array(x, "x")
     source = x if context is None else as_array(context, "context")

@@ -112,7 +112,7 @@ def scaled_dot_product_attention(
     Example:
         >>> import numpy as np
         >>> q = np.array([[0.0, 2 ** 0.5]])              # one query, d_k = 2
-        >>> k = np.array([[0.0, 0.0], [0.0, 2 ** 0.5]])  # two keys
+        >>> k = np.array([[0.0, 0.0], [0.0, 1.0]])       # two keys: q·k = 0 and √2
         >>> v = np.array([[1.0, 0.0], [0.0, 1.0]])
         >>> context, weights = scaled_dot_product_attention(q, k, v, return_weights=True)
         >>> weights                                       # [1, e] / (1 + e)
