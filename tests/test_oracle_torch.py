@@ -61,6 +61,7 @@ def qkv_sdpa(case: Case, lib: str = "numpy") -> np.ndarray:
     return np.asarray(out)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Lower right causal bias will produce NaNs")
 @settings(max_examples=300, deadline=None)
 @given(cases())
