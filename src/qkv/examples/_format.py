@@ -1,0 +1,442 @@
+"""The worked-example format, version 1: read, check every field and shape, build an Example.
+
+The format (``docs/example-format.md``)::
+
+    format: 1                       # optional
+    name: I love statistics         # optional; default: the file name
+    description: ...                # optional
+    tokens: [I, love, statistics]   # L tokens
+    embeddings: [[...], ...]        # (L, d_model)
+    weights: {W_q: ..., W_k: ..., W_v: ..., W_o: ...}   # row vectors: Q = X·W_q
+    heads: 1                        # optional
+    options: {scale: true, causal: false, queries: [love]}   # optional
+    claimed: {STEP: {TOKEN: [numbers]}}                   # optional
+    x-anything: ...                 # kept in Example.extras
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from qkv.examples._model import Claimed, Example
+from qkv.examples._nodes import NodeReader, describe, join, line_of
+from qkv.examples._text import Kind, compose, kind_of, read_text
+
+FORMAT_VERSION = 1
+TOP_KEYS = (
+    "format",
+    "name",
+    "description",
+    "tokens",
+    "embeddings",
+    "weights",
+    "heads",
+    "options",
+    "claimed",
+)
+WEIGHT_KEYS = ("W_q", "W_k", "W_v", "W_o")
+OPTION_KEYS = ("scale", "causal", "queries")
+CLAIMABLE = ("Q", "K", "V", "scores", "scaled", "weights", "context", "output")
+"""The steps whose rows an example may claim, in the order of computation."""
+
+_REQUIRED = ("tokens", "embeddings", "weights")
+_WHERE = "; every example needs tokens, embeddings and weights (see docs/example-format.md)"
+# Keys written in the wrong place or under another name, for "did you mean".
+_TOP_ALIASES = {
+    "scale": "options",
+    "causal": "options",
+    "queries": "options",
+    "W_q": "weights",
+    "W_k": "weights",
+    "W_v": "weights",
+    "W_o": "weights",
+    "embedding": "embeddings",
+    "X": "embeddings",
+    "words": "tokens",
+    "num_heads": "heads",
+    "title": "name",
+    "version": "format",
+}
+_WEIGHT_ALIASES = {k.lower().replace("_", ""): k for k in WEIGHT_KEYS} | {
+    "W_Q": "W_q",
+    "W_K": "W_k",
+    "W_V": "W_v",
+    "W_O": "W_o",
+    "W_0": "W_o",
+}
+_OPTION_ALIASES = {"heads": "heads (a top-level key)", "mask": "causal", "query": "queries"}
+_CLAIM_ALIASES = {
+    "q": "Q",
+    "k": "K",
+    "v": "V",
+    "query": "Q",
+    "key": "K",
+    "value": "V",
+    "queries": "Q",
+    "keys": "K",
+    "values": "V",
+    "logits": "scores",
+    "scaled_scores": "scaled",
+    "softmax": "weights",
+    "attention": "weights",
+    "attention_weights": "weights",
+    "probabilities": "weights",
+    "context_vectors": "context",
+    "outputs": "output",
+}
+
+
+def loads(text: str, *, source: str = "<string>") -> Example:
+    """Read a worked example from YAML or JSON text.
+
+    Args:
+        text: the content of an example file.
+        source: the name to give in error messages and ``Example.source``; a name ending in
+            ``.json`` or ``.yaml`` also says how to read the text.
+
+    Raises:
+        ExampleError: a syntax error or a field that breaks the format, with its line.
+
+    Example:
+        >>> ex = loads('''
+        ... tokens: [a, b]
+        ... embeddings: [[1, 0], [0, 1]]
+        ... weights: {W_q: [[1], [0]], W_k: [[1], [1]], W_v: [[1], [2]]}
+        ... claimed: {V: {b: [2.0]}}
+        ... ''')
+        >>> ex.W_q.shape, ex.claimed["V"][1].texts
+        ((2, 1), ('2.0',))
+    """
+    return parse(text, source=source, slug=None)
+
+
+def parse(text: str, *, source: str, slug: str | None) -> Example:
+    """:func:`loads`, with the built-in id to record in ``Example.slug``."""
+    return _from_node(compose(text, source, _sniff(source)), source, slug)
+
+
+def load(path: str | os.PathLike[str]) -> Example:
+    """Read a worked example from a ``.yaml``/``.yml`` or ``.json`` file.
+
+    The kind is taken from the extension, else from the content (JSON starts with ``{``).
+
+    Raises:
+        ExampleError: the file is missing or unreadable, or breaks the format.
+    """
+    source = os.fspath(path)
+    return _from_node(compose(read_text(path), source, kind_of(path)), source, None)
+
+
+def _sniff(source: str) -> Kind | None:
+    return None if source.startswith("<") else kind_of(source)
+
+
+def _default_name(source: str) -> str:
+    return "worked example" if source.startswith("<") else Path(source).stem
+
+
+def _from_node(root: yaml.Node, source: str, slug: str | None) -> Example:
+    r = NodeReader(source)
+    top = r.mapping(
+        root,
+        "",
+        allowed=TOP_KEYS,
+        aliases=_TOP_ALIASES,
+        extras=True,
+        what="a mapping of keys (tokens:, embeddings:, weights:, ...)",
+    )
+    for key in _REQUIRED:
+        if key not in top:
+            raise r.error(root, key, "missing", f"add the key '{key}:'{_WHERE}")
+
+    if "format" in top:
+        node = top["format"][1]
+        if not (node.tag == "tag:yaml.org,2002:int" and str(node.value) == "1"):
+            raise r.error(
+                node,
+                "format",
+                f"unsupported format {node.value!r}",
+                f"this qkv reads format {FORMAT_VERSION}; write 'format: 1' or leave it out",
+            )
+    name = _name(r, top, source)
+    description = ""
+    if "description" in top and top["description"][1].tag != "tag:yaml.org,2002:null":
+        description = r.text(top["description"][1], "description").strip()
+
+    tokens = _tokens(r, top["tokens"][1])
+    embeddings = r.matrix(top["embeddings"][1], "embeddings", what="one row per token")
+    if embeddings.shape[0] != len(tokens):
+        raise r.error(
+            top["embeddings"][0],
+            "embeddings",
+            f"expected {len(tokens)} rows (one per token), got {embeddings.shape[0]}",
+            f"tokens has {len(tokens)} entries: {', '.join(tokens)}",
+        )
+    W_q, W_k, W_v, W_o = _weights(r, *top["weights"], embeddings.shape[1])
+    heads = 1
+    if "heads" in top:
+        heads = _heads(r, top["heads"][1], W_q.shape[1], W_v.shape[1])
+    scale: bool | float = True
+    causal = False
+    queries: tuple[int, ...] | None = None
+    if "options" in top:
+        scale, causal, queries = _options(r, top["options"][1], tokens)
+    d_out = W_v.shape[1] if W_o is None else W_o.shape[1]
+    claimed: dict[str, dict[int, Claimed]] = {}
+    if "claimed" in top:
+        lengths = {
+            "Q": (W_q.shape[1], "d_k, the columns of W_q"),
+            "K": (W_k.shape[1], "d_k, the columns of W_k"),
+            "V": (W_v.shape[1], "d_v, the columns of W_v"),
+            "context": (W_v.shape[1], "d_v, the columns of W_v"),
+            "output": (d_out, "the columns of W_o" if W_o is not None else "d_v: no W_o"),
+        }
+        for step in ("scores", "scaled", "weights"):
+            lengths[step] = (len(tokens), "one per token: this query's row over every key")
+        claimed = _claimed(r, top["claimed"][1], tokens, lengths, heads)
+    extras = {key: r.plain(value, key) for key, (_, value) in top.items() if key[:2] == "x-"}
+    return Example(
+        name=name,
+        description=description,
+        tokens=tokens,
+        embeddings=embeddings,
+        W_q=W_q,
+        W_k=W_k,
+        W_v=W_v,
+        W_o=W_o,
+        heads=heads,
+        scale=scale,
+        causal=causal,
+        queries=queries,
+        claimed=claimed,
+        slug=slug,
+        source=source,
+        extras=extras,
+    )
+
+
+def _name(r: NodeReader, top: dict[str, tuple[yaml.Node, yaml.Node]], source: str) -> str:
+    if "name" not in top:
+        return _default_name(source)
+    node = top["name"][1]
+    name = r.text(node, "name", what="a title").strip()
+    if node.tag == "tag:yaml.org,2002:null" or not name:
+        raise r.error(
+            node, "name", "expected a title, got nothing", "write e.g. 'name: My example'"
+        )
+    return name
+
+
+def _tokens(r: NodeReader, node: yaml.Node) -> tuple[str, ...]:
+    if not isinstance(node, yaml.SequenceNode) or not node.value:
+        got = "an empty list" if isinstance(node, yaml.SequenceNode) else describe(node)
+        raise r.error(
+            node,
+            "tokens",
+            f"expected a list of tokens like [I, love, statistics], got {got}",
+        )
+    tokens = []
+    for i, item in enumerate(node.value):
+        token = r.text(item, join("tokens", i), what="a token (a word)")
+        if not token.strip():
+            raise r.error(
+                item,
+                join("tokens", i),
+                "expected a token, got an empty text",
+                "every token is a non-empty text",
+            )
+        tokens.append(token)
+    return tuple(tokens)
+
+
+def _weights(
+    r: NodeReader, key_node: yaml.Node, node: yaml.Node, d_model: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    pairs = r.mapping(
+        node,
+        "weights",
+        allowed=WEIGHT_KEYS,
+        aliases=_WEIGHT_ALIASES,
+        what="a mapping with W_q, W_k, W_v (and W_o)",
+    )
+    for key in ("W_q", "W_k", "W_v"):
+        if key not in pairs:
+            raise r.error(
+                key_node,
+                f"weights.{key}",
+                "missing",
+                "an example needs the three projections W_q, W_k and W_v",
+            )
+    matrices: dict[str, np.ndarray] = {}
+    for key in WEIGHT_KEYS:
+        if key not in pairs:
+            continue
+        key_node, value_node = pairs[key]
+        field = f"weights.{key}"
+        matrix = r.matrix(value_node, field, what=f"the {key} matrix")
+        if key == "W_o":
+            d_v = matrices["W_v"].shape[1]
+            _check_rows(r, key_node, field, matrix, d_v, f"d_v = {d_v}, the columns of W_v")
+        else:
+            _check_rows(
+                r,
+                key_node,
+                field,
+                matrix,
+                d_model,
+                f"d_model = {d_model}, one per embedding column",
+            )
+        matrices[key] = matrix
+    d_q, d_k = matrices["W_q"].shape[1], matrices["W_k"].shape[1]
+    if d_k != d_q:
+        raise r.error(
+            pairs["W_k"][0],
+            "weights.W_k",
+            f"expected {d_q} columns, like W_q (d_k = {d_q}), got {d_k}",
+            "the scores Q·Kᵀ pair each query with each key, so both have d_k numbers",
+        )
+    return matrices["W_q"], matrices["W_k"], matrices["W_v"], matrices.get("W_o")
+
+
+def _check_rows(
+    r: NodeReader, node: yaml.Node, field: str, matrix: np.ndarray, rows: int, why: str
+) -> None:
+    if matrix.shape[0] == rows:
+        return
+    name = field.split(".")[-1]
+    if name == "W_o":
+        hint = "the context vectors of all heads, side by side, are multiplied by W_o"
+    else:
+        hint = f"{name[-1].upper()} = X·{name} multiplies each embedding row by {name}, so it has "
+        hint += "one row per embedding column"
+    if matrix.shape[1] == rows:
+        hint += (
+            f"; if this is the column-vector form ({name}·x, {matrix.shape[0]} × {rows}), "
+            "write its transpose"
+        )
+    raise r.error(node, field, f"expected {rows} rows ({why}), got {matrix.shape[0]}", hint)
+
+
+def _heads(r: NodeReader, node: yaml.Node, d_k: int, d_v: int) -> int:
+    heads = r.integer(node, "heads", minimum=1)
+    valid = [h for h in range(1, d_k + 1) if d_k % h == 0 and d_v % h == 0]
+    for size, what in (
+        (d_k, f"d_k = {d_k} (the columns of W_q and W_k)"),
+        (d_v, f"d_v = {d_v} (the columns of W_v)"),
+    ):
+        if size % heads:
+            raise r.error(
+                node,
+                "heads",
+                f"{heads} heads do not divide {what}",
+                "the columns split evenly into heads; here heads can be "
+                + ", ".join(map(str, valid)),
+            )
+    return heads
+
+
+def _options(
+    r: NodeReader, node: yaml.Node, tokens: tuple[str, ...]
+) -> tuple[bool | float, bool, tuple[int, ...] | None]:
+    pairs = r.mapping(
+        node, "options", allowed=OPTION_KEYS, aliases=_OPTION_ALIASES, what="a mapping of options"
+    )
+    scale: bool | float = True
+    if "scale" in pairs:
+        value_node = pairs["scale"][1]
+        if value_node.tag == "tag:yaml.org,2002:bool":
+            scale = r.boolean(value_node, "options.scale")
+        else:
+            number = r.number(value_node, "options.scale")[0] if r.is_number(value_node) else 0
+            if number <= 0:
+                raise r.error(
+                    value_node,
+                    "options.scale",
+                    f"expected true, false or a positive number, got {describe(value_node)}",
+                    "true divides the scores by √d_k, false leaves them as they are, a number "
+                    "multiplies them",
+                )
+            scale = number
+    causal = r.boolean(pairs["causal"][1], "options.causal") if "causal" in pairs else False
+    queries = _queries(r, pairs["queries"][1], tokens) if "queries" in pairs else None
+    return scale, causal, queries
+
+
+def _queries(r: NodeReader, node: yaml.Node, tokens: tuple[str, ...]) -> tuple[int, ...]:
+    items = node.value if isinstance(node, yaml.SequenceNode) else [node]
+    if not items:
+        raise r.error(
+            node,
+            "options.queries",
+            "expected at least one token",
+            "leave 'queries' out to show every token as a query",
+        )
+    seen: dict[int, yaml.Node] = {}
+    for i, item in enumerate(items):
+        field = join("options.queries", i)
+        index = r.token(item, field, tokens)
+        if index in seen:
+            raise r.error(
+                item,
+                field,
+                f"token {index} ({tokens[index]}) is listed twice",
+                f"it is already listed on line {line_of(seen[index])}",
+            )
+        seen[index] = item
+    return tuple(seen)
+
+
+def _claimed(
+    r: NodeReader,
+    node: yaml.Node,
+    tokens: tuple[str, ...],
+    lengths: dict[str, tuple[int, str]],
+    heads: int,
+) -> dict[str, dict[int, Claimed]]:
+    steps = r.mapping(
+        node,
+        "claimed",
+        allowed=CLAIMABLE,
+        aliases=_CLAIM_ALIASES,
+        what="a mapping of steps (Q:, K:, V:, scores:, ...)",
+    )
+    claimed: dict[str, dict[int, Claimed]] = {}
+    for step, (step_key, rows_node) in steps.items():
+        field = join("claimed", step)
+        if heads > 1 and step in ("scores", "scaled", "weights"):
+            raise r.error(
+                step_key,
+                field,
+                f"claimed {step} rows are defined for a single head; this example has {heads}",
+                "claim Q, K, V, context or output, whose rows hold all heads side by side",
+            )
+        rows = r.mapping(rows_node, field, what="a mapping of token: [numbers]")
+        length, why = lengths[step]
+        by_token: dict[int, Claimed] = {}
+        where: dict[int, yaml.Node] = {}
+        for ref, (ref_node, row_node) in rows.items():
+            row_field = join(field, ref)
+            index = r.token(ref_node, row_field, tokens)
+            if index in by_token:
+                raise r.error(
+                    ref_node,
+                    row_field,
+                    f"names token {index} ({tokens[index]}), already claimed on line "
+                    f"{line_of(where[index])}",
+                    "claim each token's row once",
+                )
+            values, texts = r.row(row_node, row_field)
+            if len(values) != length:
+                raise r.error(
+                    row_node,
+                    row_field,
+                    f"expected {length} numbers ({why}), got {len(values)}",
+                )
+            by_token[index] = Claimed(values=values, texts=texts, line=line_of(row_node))
+            where[index] = ref_node
+        claimed[step] = by_token
+    return claimed

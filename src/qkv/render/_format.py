@@ -1,0 +1,138 @@
+"""Small formatting helpers shared by the renderers: numbers, escaping, line wrapping."""
+
+from __future__ import annotations
+
+import math
+import re
+
+__all__ = [
+    "latex_escape",
+    "latex_number",
+    "markdown_escape",
+    "number",
+    "wrap_equation",
+]
+
+MINUS_INFINITY = "−∞"
+"""How a masked score is written in text and Markdown (U+2212 MINUS SIGN, U+221E)."""
+
+
+def number(value: float, precision: int) -> str:
+    """A number with ``precision`` decimals; −∞ for masked scores; never ``-0.0000``.
+
+    Example:
+        >>> number(0.30457, 4), number(-1e-9, 4), number(float("-inf"), 4)
+        ('0.3046', '0.0000', '−∞')
+    """
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return MINUS_INFINITY if value < 0 else "∞"
+    text = f"{value:.{precision}f}"
+    if text.startswith("-") and float(text) == 0.0:
+        text = text[1:]
+    return text
+
+
+def latex_number(value: float, precision: int) -> str:
+    """A number for LaTeX math mode: ``-\\infty`` for masked scores.
+
+    Example:
+        >>> latex_number(float("-inf"), 4), latex_number(0.5, 2)
+        ('-\\\\infty', '0.50')
+    """
+    if math.isinf(value):
+        return r"-\infty" if value < 0 else r"\infty"
+    if math.isnan(value):
+        return r"\mathrm{NaN}"
+    return number(value, precision)
+
+
+_LATEX_SPECIALS = {
+    "\\": r"\textbackslash{}",
+    "{": r"\{",
+    "}": r"\}",
+    "_": r"\_",
+    "&": r"\&",
+    "%": r"\%",
+    "#": r"\#",
+    "$": r"\$",
+    "~": r"\textasciitilde{}",
+    "^": r"\textasciicircum{}",
+    # Unicode that pdfLaTeX cannot typeset in text mode but the step texts use.
+    "√": r"\ensuremath{\surd}",
+    "·": r"\ensuremath{\cdot}",
+    "×": r"\ensuremath{\times}",
+    "−": r"\ensuremath{-}",
+    "∞": r"\ensuremath{\infty}",
+    "ᵀ": r"\ensuremath{^{\top}}",
+    "…": r"\ldots{}",
+    "→": r"\ensuremath{\rightarrow}",
+    "≤": r"\ensuremath{\leq}",
+    "≥": r"\ensuremath{\geq}",
+}
+_LATEX_PATTERN = re.compile("|".join(re.escape(c) for c in _LATEX_SPECIALS))
+
+
+def latex_escape(text: str) -> str:
+    """Escape text for LaTeX text mode (also inside ``\\text{...}`` in math), in one pass.
+
+    Example:
+        >>> print(latex_escape("a_b&c%"))
+        a\\_b\\&c\\%
+        >>> print(latex_escape("{x}~^\\\\"))
+        \\{x\\}\\textasciitilde{}\\textasciicircum{}\\textbackslash{}
+    """
+    return _LATEX_PATTERN.sub(lambda m: _LATEX_SPECIALS[m.group(0)], text)
+
+
+_MARKDOWN_PATTERN = re.compile(r"([\\`*\[\]<>|$~]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9]))")
+
+
+def markdown_escape(text: str) -> str:
+    """Escape text for a Markdown paragraph or table cell (GitHub flavour).
+
+    ``|`` would end a table cell, ``$`` would start a formula, ``*``/``_`` emphasis, ``<`` HTML.
+    An underscore inside a word (``d_model``) cannot start emphasis and is left alone.
+
+    Example:
+        >>> print(markdown_escape("a|b *c* d_model _x_"))
+        a\\|b \\*c\\* d_model \\_x\\_
+    """
+    escaped = _MARKDOWN_PATTERN.sub(r"\\\1", text)
+    if escaped.startswith("#"):
+        escaped = "\\" + escaped
+    return escaped
+
+
+_BREAKS = re.compile(r"(?= \+ | = )")
+
+
+def wrap_equation(line: str, width: int, indent: int = 4) -> list[str]:
+    """Wrap a long equation before ``" + "`` and ``" = "``, then after ``", "`` if needed.
+
+    Continuation lines are indented by ``indent`` spaces; no line is longer than ``width``
+    unless a single unbreakable word is.
+
+    Example:
+        >>> wrap_equation("c = 0.1·v_a + 0.2·v_b = [0.5]", 16)
+        ['c = 0.1·v_a', '    + 0.2·v_b', '    = [0.5]']
+    """
+    if len(line) <= width:
+        return [line]
+    pieces: list[str] = []
+    for piece in _BREAKS.split(line):
+        if len(piece) + indent > width:
+            pieces.extend(p for p in re.split(r"(?<=, )", piece) if p)
+        else:
+            pieces.append(piece)
+    lines: list[str] = []
+    current = ""
+    for piece in pieces:
+        if current and len(current) + len(piece) > width:
+            lines.append(current.rstrip())
+            current = " " * indent + piece.lstrip()
+        else:
+            current += piece
+    lines.append(current.rstrip())
+    return lines

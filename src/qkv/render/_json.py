@@ -1,0 +1,22 @@
+"""The JSON renderer: the trace itself, every step with its numbers, formula and axes."""
+
+from __future__ import annotations
+
+from qkv.trace import Trace
+
+__all__ = ["json"]
+
+
+def json(trace: Trace) -> str:
+    """The trace as indented JSON (``Trace.from_json`` reads it back).
+
+    Masked scores (−inf) are written as the string ``"-inf"``, so the file is strict JSON.
+
+    Example:
+        >>> import numpy as np, qkv
+        >>> with qkv.tracing() as t:
+        ...     _ = qkv.self_attention(np.eye(2), np.eye(2), np.eye(2), np.eye(2))
+        >>> qkv.Trace.from_json(json(t)).names == t.names
+        True
+    """
+    return trace.to_json(indent=2) + "\n"

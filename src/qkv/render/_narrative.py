@@ -1,0 +1,395 @@
+"""Build the :class:`~qkv.render._model.Narrative` of a trace: the one place that decides what
+a learner is shown. The renderers (text, Markdown, LaTeX) only lay it out.
+
+For each step, in the order it was computed: a title in the seeds' words, its formula, one
+line on what it means, a table with token labels, and worked lines where they teach something
+(the dot product of a query with each key, the softmax of one score, every context vector
+as the weighted sum of the value vectors). Worked lines are printed only after checking that
+they reproduce the recorded numbers, so a renderer never shows arithmetic that is not true.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from qkv.render._format import latex_escape, number
+from qkv.render._model import Fact, Math, Narrative, Section, StepView, Table
+from qkv.render._vocabulary import LATEX_FORMULAS, PLAIN_FORMULAS, TITLES, meaning
+from qkv.render._worked import WorkedLines
+from qkv.trace import Step, Trace
+
+__all__ = ["TITLES", "narrate"]
+
+_MATRIX_AXES = ("query", "key", "token", "model", "dim", "feature")
+
+
+def narrate(trace: Trace, *, precision: int = 4) -> Narrative:
+    """The narrative of a trace: header facts and the steps, grouped by head.
+
+    Args:
+        trace: a recorded :class:`qkv.Trace` (e.g. from ``with qkv.tracing() as t:``).
+        precision: decimals of every number shown (0 to 15).
+
+    Raises:
+        ValueError: ``precision`` out of range, or a trace without steps.
+
+    Example:
+        >>> import numpy as np, qkv
+        >>> with qkv.tracing() as t:
+        ...     _ = qkv.self_attention(np.eye(2), np.eye(2), np.eye(2), np.eye(2))
+        >>> n = narrate(t, precision=2)
+        >>> [step.title for step in n.sections[0].steps][4:8]
+        ['Query vectors', 'Key vectors', 'Value vectors', 'Attention scores']
+    """
+    if not isinstance(precision, int) or not 0 <= precision <= 15:
+        raise ValueError(f"precision must be an integer from 0 to 15, got {precision!r}.")
+    if not trace.steps:
+        raise ValueError(
+            "the trace has no steps to show. Hint: record one with `with qkv.tracing() as t:` "
+            "around an attention call, or pass trace=qkv.Trace()."
+        )
+    calls = _split_calls(trace.steps)
+    builders = [_CallBuilder(trace, call, precision) for call in calls]
+    sections: list[Section] = []
+    for index, builder in enumerate(builders):
+        prefix = ""
+        if len(calls) > 1:
+            layer = calls[index][0].layer
+            prefix = f"Call {index + 1} of {len(calls)}"
+            prefix += f" ({layer})" if layer else ""
+            if builder.batch and builder.batch > 1:
+                prefix += f", batch 1 of {builder.batch}"
+        sections.extend(builder.sections(prefix))
+    meta = trace.meta
+    return Narrative(
+        title=str(meta.get("name") or "Attention, step by step"),
+        description=str(meta.get("description") or ""),
+        facts=tuple(builders[-1].facts()),
+        sections=tuple(sections),
+        precision=precision,
+    )
+
+
+def _split_calls(steps: Sequence[Step]) -> list[list[Step]]:
+    """Split a trace into attention calls: a new call starts when a step name comes again."""
+    calls: list[list[Step]] = []
+    for step in steps:
+        current = calls[-1] if calls else None
+        if (
+            current is None
+            or any(s.name == step.name for s in current)
+            or step.layer != current[0].layer
+        ):
+            calls.append([step])
+        else:
+            current.append(step)
+    return calls
+
+
+def _size(steps: Sequence[Step], axis: str) -> int | None:
+    for step in steps:
+        if axis in step.axes:
+            return int(step.value.shape[step.axes.index(axis)])
+    return None
+
+
+def _labels(given: Sequence[str] | None, n: int, prefix: str) -> list[str]:
+    """Token labels, with repeated tokens told apart by their 0-based position (``the#4``)."""
+    if given is None or len(given) != n:
+        return [f"{prefix}{i}" for i in range(n)]
+    counts: dict[str, int] = {}
+    for token in given:
+        counts[token] = counts.get(token, 0) + 1
+    return [
+        f"{token}#{i}" if counts[token] > 1 or not token else token for i, token in enumerate(given)
+    ]
+
+
+class _CallBuilder:
+    """The sections of one attention call (one multi_head_attention or SDPA run)."""
+
+    def __init__(self, trace: Trace, steps: list[Step], precision: int) -> None:
+        self.trace = trace
+        self.steps = steps
+        self.p = precision
+        self.heads = _size(steps, "head") or 1
+        self.kv_heads = _size(steps, "kv_head") or self.heads
+        self.group = max(1, self.heads // self.kv_heads)
+        self.batch = _size(steps, "batch")
+        self.numbers: dict[str, int] = {}
+        for step in steps:
+            self.numbers.setdefault(step.name, len(self.numbers) + 1)
+        lq = _size(steps, "query")
+        lk = _size(steps, "key")
+        tokens = trace.tokens
+        query_tokens = trace.query_tokens or tokens
+        self.query_labels = _labels(query_tokens, lq or 0, "q" if trace.query_tokens else "t")
+        self.key_labels = _labels(tokens, lk or 0, "t")
+        self.token_labels = _labels(query_tokens, _size(steps, "token") or 0, "t")
+        self.queries = self._shown_queries(lq)
+        self.worked = self._worked_query(lq or 0)
+        self.scale = self._call_scale()
+        self.work = WorkedLines(
+            self.query_labels, self.key_labels, self.queries, self.worked, self.scale, precision
+        )
+
+    def _call_scale(self) -> tuple[float | None, str | None, int | None]:
+        """(scale, scale_mode, d_k) of this call: the trace's meta when this call's scores and
+        scaled scores agree with it (meta describes the last call of a trace), else read from
+        the numbers."""
+        meta = self.trace.meta
+        scale, mode = meta.get("scale"), meta.get("scale_mode")
+        d_k = _last_dim(self.steps, "Q") or meta.get("d_k")
+        scores = next((s.value for s in self.steps if s.name == "scores"), None)
+        scaled = next((s.value for s in self.steps if s.name == "scaled"), None)
+        if scores is None or scaled is None or scores.shape != scaled.shape or not scores.size:
+            return (None if scale is None else float(scale)), mode, d_k
+        at = np.unravel_index(np.argmax(np.abs(scores)), scores.shape)
+        if scores[at] == 0:
+            return (None if scale is None else float(scale)), mode, d_k
+        ratio = float(scaled[at] / scores[at])
+        if scale is not None and math.isclose(ratio, float(scale), rel_tol=1e-5):
+            return float(scale), mode, d_k
+        if d_k and math.isclose(ratio, 1 / math.sqrt(d_k), rel_tol=1e-5):
+            return 1 / math.sqrt(d_k), "sqrt_dk", d_k
+        if math.isclose(ratio, 1.0, rel_tol=1e-5):
+            return 1.0, "none", d_k
+        return ratio, "custom", d_k
+
+    def _worked_query(self, lq: int) -> int:
+        """The query whose dot products and softmax are written out: the shown query with the
+        most keys it may attend to (the first shown one when nothing is masked)."""
+        shown = self._shown(lq) or [0]
+        masked = next((s for s in self.steps if s.name == "masked"), None)
+        if masked is None:
+            return shown[0]
+        allowed = np.isfinite(masked.select(head=0, batch=0, group_size=self.group))
+        if allowed.ndim != 2 or allowed.shape[0] != lq:
+            return shown[0]
+        counts = allowed.sum(axis=1)
+        return max(shown, key=lambda i: (counts[i], -i))
+
+    # -- header ----------------------------------------------------------------------------
+
+    def _shown_queries(self, lq: int | None) -> list[int] | None:
+        wanted = self.trace.meta.get("queries")
+        if wanted is None or lq is None:
+            return None
+        shown: list[int] = []
+        for q in wanted if isinstance(wanted, list | tuple) else [wanted]:
+            if isinstance(q, str) and q in self.query_labels:
+                shown.append(self.query_labels.index(q))
+            elif isinstance(q, int) and not isinstance(q, bool) and -lq <= q < lq:
+                shown.append(q % lq)
+            else:
+                return None  # a selection that does not fit this call: show every query
+        return shown if shown and shown != list(range(lq)) else None
+
+    def facts(self) -> list[Fact]:
+        meta, steps = self.trace.meta, self.steps
+        facts: list[Fact] = []
+        if self.trace.tokens:
+            tokens = list(self.trace.tokens)
+            label = "tokens" if not self.trace.query_tokens else "key tokens"
+            facts.append(_list_fact(label, tokens))
+            if self.trace.query_tokens:
+                facts.append(_list_fact("query tokens", list(self.trace.query_tokens)))
+        d_model = meta.get("d_model") or _size(steps, "model")
+        if d_model:
+            facts.append(Fact("d_model", str(d_model), str(d_model)))
+        d_k = _last_dim(steps, "Q") or meta.get("d_k")
+        d_v = _last_dim(steps, "V") or meta.get("d_v")
+        if d_k:
+            value = str(d_k) if not d_v or d_v == d_k else f"{d_k} (d_v = {d_v})"
+            facts.append(Fact("d_k", value, latex_escape(value)))
+        heads = str(self.heads)
+        if self.kv_heads != self.heads:
+            kind = "multi-query" if self.kv_heads == 1 else "grouped-query"
+            heads += f" ({self.kv_heads} key/value heads: {kind} attention)"
+        facts.append(Fact("heads", heads, latex_escape(heads)))
+        scale = self._scale_fact()
+        if scale is not None:
+            facts.append(scale)
+        if meta.get("causal"):
+            text = "causal: each token attends only to itself and the tokens before it"
+            facts.append(Fact("mask", text, latex_escape(text)))
+        elif meta.get("mask"):
+            facts.append(Fact("mask", str(meta["mask"]), latex_escape(str(meta["mask"]))))
+        if self.queries is not None:
+            names = [self.query_labels[i] for i in self.queries]
+            plain = f"{', '.join(names)} ({len(names)} of {len(self.query_labels)} shown)"
+            latex = ", ".join(latex_escape(n) for n in names)
+            latex += f" ({len(names)} of {len(self.query_labels)} shown)"
+            facts.append(Fact("queries", plain, latex))
+        if self.batch and self.batch > 1:
+            text = f"element 1 of {self.batch} shown"
+            facts.append(Fact("batch", text, text))
+        return facts
+
+    def _scale_fact(self) -> Fact | None:
+        scale, mode, d_k = self.scale
+        if scale is None:
+            return None
+        value = number(float(scale), self.p)
+        if mode == "sqrt_dk" and d_k:
+            plain = f"scaled by 1/√d_k = 1/√{d_k} = {value}"
+            latex = rf"scaled by $1/\sqrt{{d_k}} = 1/\sqrt{{{d_k}}} = {value}$"
+        elif mode == "none" or float(scale) == 1.0:
+            plain = latex = "not scaled (scale = 1)"
+        else:
+            plain = f"scaled by {value} (a custom scale)"
+            latex = f"scaled by ${value}$ (a custom scale)"
+        return Fact("scale", plain, latex)
+
+    # -- sections --------------------------------------------------------------------------
+
+    def sections(self, prefix: str) -> list[Section]:
+        def title(text: str | None) -> str | None:
+            if prefix and text:
+                return f"{prefix}: {text}"
+            return prefix or text
+
+        per_head = [i for i, s in enumerate(self.steps) if {"head", "kv_head"} & set(s.axes)]
+        if self.heads == 1 or not per_head:
+            return [Section(title(None), tuple(self._views(self.steps, head=0)))]
+        first, last = per_head[0], per_head[-1]
+        before, middle, after = (
+            self.steps[:first],
+            self.steps[first : last + 1],
+            self.steps[last + 1 :],
+        )
+        sections: list[Section] = []
+        if before:
+            sections.append(Section(title("Inputs"), tuple(self._views(before, head=0))))
+        for h in range(self.heads):
+            name = f"Head {h + 1} of {self.heads}"
+            if self.kv_heads != self.heads:
+                name += f" (key/value head {h // self.group + 1} of {self.kv_heads})"
+            sections.append(Section(title(name), tuple(self._views(middle, head=h))))
+        if after:
+            sections.append(
+                Section(title("Combining the heads"), tuple(self._views(after, head=0)))
+            )
+        return sections
+
+    def _views(self, steps: Sequence[Step], *, head: int) -> list[StepView]:
+        seen: dict[str, np.ndarray] = {}
+        views = []
+        for step in steps:
+            value = np.asarray(step.select(head=head, batch=0, group_size=self.group))
+            axes = tuple(a for a in step.axes if a in _MATRIX_AXES)
+            if value.ndim == 2 and len(axes) == 2:
+                seen[step.name] = value.astype(np.float64)
+            equations, notes = self.work.for_step(step.name, seen)
+            views.append(
+                StepView(
+                    name=step.name,
+                    number=self.numbers[step.name],
+                    title=TITLES.get(step.name, step.name),
+                    formula=Math(
+                        step.formula or PLAIN_FORMULAS.get(step.name, step.name),
+                        self._latex_formula(step.name),
+                    ),
+                    meaning=self._meaning(step),
+                    table=self._table(step, value, axes),
+                    equations=tuple(equations),
+                    notes=tuple(notes),
+                )
+            )
+        return views
+
+    def _meaning(self, step: Step) -> str:
+        """The step's meaning; for the scaling step, what this run did."""
+        _, mode, _ = self.scale
+        if step.name == "scaled" and mode == "none":
+            return (
+                "Not scaled in this run: S' = S. Dividing by √d_k would keep the softmax "
+                "from becoming too sharp when d_k is large."
+            )
+        if step.name == "scaled" and mode == "custom":
+            return "Scores multiplied by a chosen scale instead of 1/√d_k."
+        return meaning(step)
+
+    def _latex_formula(self, name: str) -> str:
+        if name == "scaled":
+            scale, mode, d_k = self.scale
+            if scale is None:
+                return r"S' = S \cdot \mathrm{scale}"
+            if mode == "sqrt_dk" and d_k:
+                return (
+                    rf"S' = \frac{{S}}{{\sqrt{{d_k}}}} = \frac{{S}}{{\sqrt{{{d_k}}}}} "
+                    rf"= S \times {float(scale):.4g}"
+                )
+            if mode == "none" or float(scale) == 1.0:
+                return r"S' = S \quad \text{(no scaling)}"
+            return rf"S' = S \times {float(scale):.4g}"
+        if name in ("concat", "output"):
+            concat = rf"\operatorname{{concat}}(C_1, \dots, C_{{{self.heads}}})"
+            return concat if name == "concat" else rf"O = {concat}\, W_o"
+        return LATEX_FORMULAS.get(name, r"\text{" + latex_escape(name) + "}")
+
+    # -- tables ----------------------------------------------------------------------------
+
+    def _axis_labels(self, axis: str, n: int, step: str) -> list[str]:
+        if axis == "query":
+            return self.query_labels if len(self.query_labels) == n else _labels(None, n, "q")
+        if axis == "key":
+            return self.key_labels if len(self.key_labels) == n else _labels(None, n, "k")
+        if axis == "token":
+            return self.token_labels if len(self.token_labels) == n else _labels(None, n, "t")
+        if axis == "model":
+            return [f"e{i + 1}" for i in range(n)]
+        if axis == "feature":
+            groups = self.kv_heads if step in ("W_k", "W_v") else self.heads
+            if groups > 1 and n % groups == 0:
+                per = n // groups
+                return [f"h{i // per + 1}.d{i % per + 1}" for i in range(n)]
+        return [f"d{i + 1}" for i in range(n)]
+
+    def _table(self, step: Step, value: np.ndarray, axes: tuple[str, ...]) -> Table:
+        values = value.astype(np.float64)
+        if values.ndim == 0 or len(axes) == 0:
+            return Table(step.name, (step.name,), ("value",), values.reshape(1, 1))
+        if values.ndim == 1 or len(axes) == 1:
+            columns = self._axis_labels(axes[-1], values.shape[-1], step.name)
+            return Table(step.name, (step.name,), tuple(columns), values.reshape(1, -1))
+        values = values.reshape(-1, values.shape[-1])
+        rows = self._axis_labels(axes[0], values.shape[0], step.name)
+        columns = self._axis_labels(axes[-1], values.shape[1], step.name)
+        if axes[0] == "query" and self.queries is not None:
+            values = values[self.queries]
+            rows = [rows[i] for i in self.queries]
+        if axes[0] in ("query", "key", "token"):
+            corner = f"{axes[0]} \\ key" if axes[-1] == "key" else axes[0]
+        else:
+            corner = step.name
+        sums = None
+        if step.name == "weights":
+            sums = np.where(np.isfinite(values), values, 0.0).sum(axis=1)
+        return Table(corner, tuple(rows), tuple(columns), values, sums)
+
+    # -- worked lines ----------------------------------------------------------------------
+
+    def _shown(self, n: int) -> list[int]:
+        return list(self.queries) if self.queries is not None else list(range(n))
+
+
+def _last_dim(steps: Sequence[Step], name: str) -> int | None:
+    for step in steps:
+        if step.name == name and step.value.ndim:
+            return int(step.value.shape[-1])
+    return None
+
+
+def _list_fact(label: str, tokens: list[Any]) -> Fact:
+    names = [str(t) for t in tokens]
+    suffix = f" ({len(names)} tokens)"
+    return Fact(
+        label,
+        ", ".join(names) + suffix,
+        ", ".join(latex_escape(n) for n in names) + suffix,
+    )

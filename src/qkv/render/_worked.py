@@ -1,0 +1,244 @@
+"""Worked lines: the arithmetic of a step written out with its numbers.
+
+``q_love = x_love·W_q = [0.4000, 0.8000, 0.6000]·W_q = [0.5000, 0.8000]``, the dot product of
+a query with each key, one scaling, one softmax with its denominator, the sum of a row of
+weights, and every context vector as the weighted sum of the value vectors. Each line is
+checked against the recorded numbers first, so a line that would not be true (Q or K changed
+after recording, a bias the softmax line cannot see) is left out rather than printed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from qkv.render._format import latex_escape, latex_number, number
+from qkv.render._model import Equation, Math
+
+__all__ = ["WorkedLines"]
+
+_MAX_WORKED_KEYS = 8  # dot products and softmax terms written out for at most this many keys
+_MAX_WORKED_DIMS = 8  # dot products written out for d_k up to this
+_MAX_WEIGHTED_SUMS = 32  # context vectors written as weighted sums
+
+
+@dataclass(frozen=True)
+class WorkedLines:
+    """Writes out the arithmetic of one attention call.
+
+    Attributes:
+        query_labels, key_labels: the row and column labels of the scores.
+        queries: the query rows shown, or None for all.
+        worked: the query whose dot products and softmax are written out.
+        scale: (scale, scale_mode, d_k) of the call.
+        precision: decimals of every number.
+    """
+
+    query_labels: Sequence[str]
+    key_labels: Sequence[str]
+    queries: Sequence[int] | None
+    worked: int
+    scale: tuple[float | None, str | None, int | None]
+    precision: int
+
+    @property
+    def p(self) -> int:
+        return self.precision
+
+    def _shown(self, n: int) -> list[int]:
+        return list(self.queries) if self.queries is not None else list(range(n))
+
+    def for_step(self, name: str, seen: dict[str, np.ndarray]) -> tuple[list[Equation], list[str]]:
+        """The worked lines and notes of step ``name``, given the section's steps so far."""
+        if name == "Q":
+            return self._projection(seen), []
+        if name == "scores":
+            return self._dot_products(seen)
+        if name == "scaled":
+            return self._scaling(seen), []
+        if name == "weights":
+            return self._softmax_lines(seen)
+        if name == "context":
+            return self._weighted_sums(seen)
+        return [], []
+
+    def _projection(self, seen: dict[str, np.ndarray]) -> list[Equation]:
+        """``q_love = x_love·W_q = [0.4, 0.8, 0.6]·W_q = [0.5, 0.8]`` for the worked query."""
+        x, w, q = seen.get("embeddings"), seen.get("W_q"), seen.get("Q")
+        if x is None or w is None or q is None or x.shape[0] != q.shape[0]:
+            return []
+        if w.shape != (x.shape[1], q.shape[1]) or not np.allclose(x @ w, q, rtol=1e-6, atol=1e-9):
+            return []  # several heads, a bias or a different source: nothing simple to show
+        i, query = self.worked, self.query_labels[self.worked]
+        embedding = _vector(x[i], self.p)
+        sides = (
+            (Math(f"q_{query}", rf"q_{{{_tex_token(query)}}}"),),
+            (Math(f"x_{query}·W_q", rf"x_{{{_tex_token(query)}}} W_q"),),
+            (Math(f"{embedding.plain}·W_q", rf"{embedding.latex}\, W_q"),),
+            (_vector(q[i], self.p),),
+        )
+        return [Equation(sides)]
+
+    def _scaling(self, seen: dict[str, np.ndarray]) -> list[Equation]:
+        """``S'[love, I] = 1.1160 / √2 = 0.7891`` for the worked query and its first key."""
+        scores, scaled = seen.get("scores"), seen.get("scaled")
+        scale, mode, d_k = self.scale
+        if scores is None or scaled is None or scale is None or scores.shape != scaled.shape:
+            return []
+        if float(scale) == 1.0 or not np.allclose(scores * float(scale), scaled, rtol=1e-6):
+            return []
+        i, query, key = self.worked, self.query_labels[self.worked], self.key_labels[0]
+        s = number(float(scores[i, 0]), self.p)
+        if mode == "sqrt_dk" and d_k:
+            middle = Math(f"{s} / √{d_k}", rf"\frac{{{s}}}{{\sqrt{{{d_k}}}}}")
+        else:
+            factor = number(float(scale), self.p)
+            middle = Math(f"{s} × {factor}", rf"{s} \times {factor}")
+        lhs = Math(f"S'[{query}, {key}]", rf"S'_{{{_tex_token(query)},\,{_tex_token(key)}}}")
+        return [Equation(((lhs,), (middle,), (_num(float(scaled[i, 0]), self.p),)))]
+
+    def _dot_products(self, seen: dict[str, np.ndarray]) -> tuple[list[Equation], list[str]]:
+        q, k, s = seen.get("Q"), seen.get("K"), seen.get("scores")
+        if q is None or k is None or s is None or q.shape[1] != k.shape[1]:
+            return [], []
+        if s.shape != (q.shape[0], k.shape[0]) or q.shape[1] > _MAX_WORKED_DIMS:
+            return [], []
+        i = self.worked
+        keys = range(min(k.shape[0], _MAX_WORKED_KEYS))
+        if not np.allclose(q[i] @ k[list(keys)].T, s[i, list(keys)], rtol=1e-6, atol=1e-9):
+            return [], []  # Q or K were changed after recording (e.g. rotary embeddings)
+        query = self.query_labels[i]
+        lines = []
+        for j in keys:
+            key = self.key_labels[j]
+            lhs = Math(
+                f"q_{query}·k_{key}", rf"q_{{{_tex_token(query)}}} \cdot k_{{{_tex_token(key)}}}"
+            )
+            terms = tuple(_product(a, b, self.p) for a, b in zip(q[i], k[j], strict=True))
+            lines.append(Equation(((lhs,), terms, (_num(float(s[i, j]), self.p),))))
+        notes = []
+        if k.shape[0] > len(keys):
+            notes.append(f"The dot products with the first {len(keys)} of {k.shape[0]} keys.")
+        return lines, notes
+
+    def _softmax_lines(self, seen: dict[str, np.ndarray]) -> tuple[list[Equation], list[str]]:
+        weights = seen.get("weights")
+        if weights is None:
+            return [], []
+        notes: list[str] = []
+        for i in self._shown(weights.shape[0]):
+            if not np.any(weights[i]):
+                notes.append(
+                    f"Every key is masked for the query {self.query_labels[i]}: its attention "
+                    "weights are all 0 and its context vector is 0."
+                )
+        i = self.worked
+        source = None
+        for candidate in ("masked", "bias", "scaled", "scores"):
+            scores = seen.get(candidate)
+            if (
+                scores is not None
+                and scores.shape == weights.shape
+                and np.allclose(_softmax_row(scores[i]), weights[i], rtol=1e-6, atol=1e-9)
+            ):
+                source = scores
+                break
+        n = weights.shape[1]
+        if source is None or not np.isfinite(source[i]).any() or n > _MAX_WORKED_KEYS:
+            return [], notes
+        row, query = source[i], self.query_labels[i]
+        j = int(np.flatnonzero(np.isfinite(row))[0])
+        key = self.key_labels[j]
+        exps = [_exp(float(v), self.p) for v in row]
+        lhs = Math(f"A[{query}, {key}]", rf"A_{{{_tex_token(query)},\,{_tex_token(key)}}}")
+        middle = Math(
+            f"{exps[j].plain} / ({' + '.join(e.plain for e in exps)})",
+            rf"\frac{{{exps[j].latex}}}{{{' + '.join(e.latex for e in exps)}}}",
+        )
+        softmax = Equation(((lhs,), (middle,), (_num(float(weights[i, j]), self.p),)))
+        total = Math(f"Σ_j A[{query}, j]", rf"\sum_j A_{{{_tex_token(query)},\,j}}")
+        terms = tuple(_num(float(w), self.p) for w in weights[i])
+        row_sum = Equation(((total,), terms, (_num(float(weights[i].sum()), self.p),)))
+        return [softmax, row_sum], notes
+
+    def _weighted_sums(self, seen: dict[str, np.ndarray]) -> tuple[list[Equation], list[str]]:
+        weights = seen.get("dropout", seen.get("weights"))
+        values, context = seen.get("V"), seen.get("context")
+        if weights is None or values is None or context is None:
+            return [], []
+        if weights.shape != (context.shape[0], values.shape[0]):
+            return [], []
+        if values.shape[1] != context.shape[1] or not np.isfinite(values).all():
+            return [], []
+        if not np.allclose(weights @ values, context, rtol=1e-6, atol=1e-9):
+            return [], []
+        masked = seen.get("masked")
+        shown = self._shown(weights.shape[0])
+        lines, left_out = [], False
+        for i in shown[:_MAX_WEIGHTED_SUMS]:
+            query = self.query_labels[i]
+            terms = []
+            for j, w in enumerate(weights[i]):
+                if w == 0 and masked is not None and np.isneginf(masked[i, j]):
+                    left_out = True
+                    continue
+                key = self.key_labels[j]
+                terms.append(
+                    Math(
+                        f"{number(float(w), self.p)}·v_{key}",
+                        rf"{latex_number(float(w), self.p)}\,v_{{{_tex_token(key)}}}",
+                    )
+                )
+            lhs = Math(f"c_{query}", rf"c_{{{_tex_token(query)}}}")
+            result = _vector(context[i], self.p)
+            sides = ((lhs,), tuple(terms), (result,)) if terms else ((lhs,), (result,))
+            lines.append(Equation(sides))
+        notes = []
+        if left_out:
+            notes.append("Terms with weight 0 (masked keys) are left out of the weighted sums.")
+        if len(shown) > _MAX_WEIGHTED_SUMS:
+            notes.append(
+                f"The first {_MAX_WEIGHTED_SUMS} of {len(shown)} context vectors are written "
+                "as weighted sums."
+            )
+        return lines, notes
+
+
+def _product(a: float, b: float, precision: int) -> Math:
+    def factor(x: float) -> Math:
+        text = number(x, precision)
+        if text.startswith("-"):
+            return Math(f"({text})", f"({text})")
+        return Math(text, text)
+
+    fa, fb = factor(float(a)), factor(float(b))
+    return Math(f"{fa.plain}×{fb.plain}", rf"{fa.latex} \times {fb.latex}")
+
+
+def _exp(value: float, precision: int) -> Math:
+    return Math(f"e^{number(value, precision)}", f"e^{{{latex_number(value, precision)}}}")
+
+
+def _tex_token(token: str) -> str:
+    return r"\text{" + latex_escape(token) + "}"
+
+
+def _vector(values: np.ndarray, precision: int) -> Math:
+    plain = "[" + ", ".join(number(float(v), precision) for v in values) + "]"
+    latex = "[" + r",\ ".join(latex_number(float(v), precision) for v in values) + "]"
+    return Math(plain, latex)
+
+
+def _num(value: float, precision: int) -> Math:
+    return Math(number(value, precision), latex_number(value, precision))
+
+
+def _softmax_row(row: np.ndarray) -> np.ndarray:
+    finite = np.isfinite(row)
+    if not finite.any():
+        return np.zeros_like(row)
+    shifted = np.where(finite, row - row[finite].max(), -np.inf)
+    exp = np.exp(shifted)
+    return np.asarray(exp / exp.sum())
