@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip install --disable-pip-version-check -q -c constraints.txt
+# pip's output goes to a log, shown only when the install fails.
+LOGGED  = > $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
 
 .PHONY: demo test lint typecheck pytest install install-dev clean
 
@@ -29,11 +31,11 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.installed: $(VENV)/bin/python pyproject.toml constraints.txt
-	$(PIP) -e '.[all]'
+	$(PIP) -e '.[all]' $(LOGGED)
 	@touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(PIP) -e '.[all,dev]'
+	$(PIP) -e '.[all,dev]' $(LOGGED)
 	@touch $@
 
 clean:

@@ -10,7 +10,9 @@ Example:
            [0.3302, 0.6698]])
 """
 
+from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
+from types import ModuleType
 
 from qkv import masks
 from qkv.attention import (
@@ -27,6 +29,16 @@ try:
     __version__ = version("qkv")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
+
+_SUBMODULES = ("examples", "render", "cli")
+
+
+def __getattr__(name: str) -> ModuleType:
+    """``qkv.examples``, ``qkv.render`` and ``qkv.cli`` load on first use."""
+    if name in _SUBMODULES:
+        return import_module(f"qkv.{name}")
+    raise AttributeError(f"module 'qkv' has no attribute {name!r}")
+
 
 __all__ = [
     "STEP_NAMES",

@@ -39,7 +39,10 @@ STEP_TEXT: Mapping[str, tuple[str, str]] = {
     "Q": ("Q", "query vectors: what each word is looking for"),
     "K": ("K", "key vectors: what each word offers to be matched against a query"),
     "V": ("V", "value vectors: the information each word passes on"),
-    "scores": ("S = Q·Kᵀ", "attention scores: the dot product of each query with every key"),
+    "scores": (
+        "S = Q·Kᵀ",
+        "attention scores: the dot product of each query vector with every key vector",
+    ),
     "scaled": ("S' = S × scale", "scaled scores: divided by √d_k so softmax is not too sharp"),
     "bias": ("S' = S' + bias", "scaled scores plus the additive bias"),
     "masked": (

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -127,7 +126,3 @@ def one_line(error: BaseException) -> str:
         return f"{error.strerror}{where}"
     text = " ".join(str(error).split())
     return text or type(error).__name__
-
-
-def stdout_is_terminal() -> bool:
-    return sys.stdout.isatty()

@@ -6,8 +6,7 @@ import argparse
 import sys
 
 from qkv.cli._common import Command, int_in_range, write_atomic
-
-FORMATS = ("text", "markdown", "latex", "json")
+from qkv.render import FORMATS
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:

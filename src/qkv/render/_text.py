@@ -76,6 +76,9 @@ def print_text(trace: Trace, console: Console | None = None, *, precision: int =
         precision: decimals of every number.
     """
     console = console or Console(highlight=False, emoji=False, markup=False)
+    if not console.is_terminal:  # a file or a pipe: the plain text, no trailing spaces
+        console.file.write(text(trace, precision=precision, width=max(console.width, 40)))
+        return
     _print(narrate(trace, precision=precision), console)
 
 
