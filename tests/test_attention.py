@@ -241,3 +241,14 @@ def test_split_and_merge_heads_are_inverse() -> None:
     assert split.shape == (2, 4, 3, 2)
     assert split[0, 1, 2].tolist() == x[0, 2, 2:4].tolist()  # head 1 = columns 2..3
     assert np.array_equal(qkv.merge_heads(np, split), x)
+
+
+def test_bias_may_be_a_list() -> None:
+    _, weights = qkv.scaled_dot_product_attention(
+        np.zeros((1, 2)),
+        np.zeros((2, 2)),
+        np.ones((2, 2)),
+        bias=[[0.0, np.log(3)]],
+        return_weights=True,
+    )
+    assert weights[0] == pytest.approx([0.25, 0.75])

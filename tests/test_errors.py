@@ -120,7 +120,9 @@ def test_mixed_namespaces() -> None:
     ):
         sdpa(torch.ones(3, 2, dtype=torch.float64), a(4, 2), a(4, 2))
     t = torch.ones(3, 2, dtype=torch.float64)
-    with pytest.raises(TypeError, match=r"mask is a numpy array but query is a torch array"):
+    with pytest.raises(
+        TypeError, match=r"query is a PyTorch tensor but mask is a NumPy array.*mixed"
+    ):
         sdpa(t, t, t, mask=np.ones((3, 3), dtype=bool))
 
 

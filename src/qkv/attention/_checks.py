@@ -6,7 +6,15 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from qkv._array import Array, dtype_name, is_bool, is_floating, library, shape_str
+from qkv._array import (
+    Array,
+    dtype_name,
+    is_bool,
+    is_floating,
+    library,
+    namespace,
+    shape_str,
+)
 from qkv.masks import Mask, check_alignment
 
 
@@ -131,11 +139,7 @@ def check_mask(mask: Array | Mask | None, query: Array, scores_shape: Sequence[i
             f"mask must be a boolean array or a qkv.masks.Mask, got {type(mask).__name__}. "
             "Hint: build one with qkv.masks.causal(), key_padding(lengths), ..."
         )
-    if library(mask) != library(query):
-        raise TypeError(
-            f"mask is a {library(mask)} array but query is a {library(query)} array: all inputs "
-            "must come from one library (mixed namespaces)."
-        )
+    namespace([("query", query), ("mask", mask)])  # same library and device
     if not is_bool(mask):
         raise TypeError(
             f"mask must be boolean (True = may attend), got {dtype_name(mask)}. Hint: an "
@@ -154,11 +158,7 @@ def check_mask(mask: Array | Mask | None, query: Array, scores_shape: Sequence[i
 def check_bias(bias: Array | None, query: Array, scores_shape: Sequence[int]) -> None:
     if bias is None:
         return
-    if library(bias) != library(query):
-        raise TypeError(
-            f"bias is a {library(bias)} array but query is a {library(query)} array: all inputs "
-            "must come from one library (mixed namespaces)."
-        )
+    namespace([("query", query), ("bias", bias)])  # same library and device
     check_floating(bias, "bias")
     check_broadcast(
         bias,

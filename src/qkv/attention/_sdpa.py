@@ -191,6 +191,7 @@ def attend(
     lq, lk, d_k = query.shape[-2], key.shape[-2], query.shape[-1]
     scores_shape = (*query.shape[:-2], lq, lk)
     _checks.check_mask(mask, query, scores_shape)
+    bias = None if bias is None else as_array(bias, "bias")
     _checks.check_bias(bias, query, scores_shape)
     out_dtype = query.dtype
     dtype = compute_dtype(xp, query)
