@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from qkv.attention import softmax as softmax_of
 from qkv.render._format import latex_escape, latex_number, number
 from qkv.render._model import Equation, Math
 
@@ -141,7 +142,7 @@ class WorkedLines:
             if (
                 scores is not None
                 and scores.shape == weights.shape
-                and np.allclose(_softmax_row(scores[i]), weights[i], rtol=1e-6, atol=1e-9)
+                and np.allclose(softmax_of(scores[i]), weights[i], rtol=1e-6, atol=1e-9)
             ):
                 source = scores
                 break
@@ -233,12 +234,3 @@ def _vector(values: np.ndarray, precision: int) -> Math:
 
 def _num(value: float, precision: int) -> Math:
     return Math(number(value, precision), latex_number(value, precision))
-
-
-def _softmax_row(row: np.ndarray) -> np.ndarray:
-    finite = np.isfinite(row)
-    if not finite.any():
-        return np.zeros_like(row)
-    shifted = np.where(finite, row - row[finite].max(), -np.inf)
-    exp = np.exp(shifted)
-    return np.asarray(exp / exp.sum())
