@@ -6,22 +6,27 @@ BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip install --disable-pip-version-check -q -c constraints.txt
 # pip's output goes to a log, shown only when the install fails.
 LOGGED  = > $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
+# The browser test drives Debian's Chromium; apt's output goes to a log, shown on failure.
+CHROMIUM := /usr/bin/chromium
+SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: demo test lint typecheck pytest install install-dev clean
 
 demo: $(VENV)/.installed
 	$(BIN)/qkv explain
+	@mkdir -p out
+	@$(BIN)/qkv explain --html out/explain.html --plot out/weights.png
 
 test: $(VENV)/.installed-dev lint typecheck pytest
 
 lint: $(VENV)/.installed-dev
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
 
 typecheck: $(VENV)/.installed-dev
 	$(BIN)/mypy
 
-pytest: $(VENV)/.installed-dev
+pytest: $(VENV)/.installed-dev $(CHROMIUM)
 	$(BIN)/pytest -n 2
 
 install: $(VENV)/.installed
@@ -37,6 +42,12 @@ $(VENV)/.installed: $(VENV)/bin/python pyproject.toml constraints.txt
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PIP) -e '.[all,dev]' $(LOGGED)
 	@touch $@
+
+# Installed only where missing (a file target: make skips it when /usr/bin/chromium exists).
+$(CHROMIUM): | $(VENV)/bin/python
+	@echo "installing Chromium for the browser test (apt-get; log: $(VENV)/apt.log)"
+	@{ $(SUDO) apt-get update && $(SUDO) env DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y chromium; } > $(VENV)/apt.log 2>&1 || { cat $(VENV)/apt.log; exit 1; }
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .mypy_cache .ruff_cache .pytest_cache

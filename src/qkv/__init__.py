@@ -16,6 +16,7 @@ from types import ModuleType
 
 from qkv import masks
 from qkv.attention import (
+    explain_dispatch,
     merge_heads,
     multi_head_attention,
     scaled_dot_product_attention,
@@ -30,11 +31,15 @@ try:
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
-_SUBMODULES = ("examples", "render", "cli")
+_SUBMODULES = (
+    "examples", "render", "cli", "nn", "positional", "check", "kernels",
+    "embeddings", "data", "train",
+)  # fmt: skip
 
 
 def __getattr__(name: str) -> ModuleType:
-    """``qkv.examples``, ``qkv.render`` and ``qkv.cli`` load on first use."""
+    """``qkv.examples``, ``qkv.render``, ``qkv.cli``, ``qkv.nn`` (PyTorch) and
+    ``qkv.positional`` load on first use."""
     if name in _SUBMODULES:
         return import_module(f"qkv.{name}")
     raise AttributeError(f"module 'qkv' has no attribute {name!r}")
@@ -46,6 +51,7 @@ __all__ = [
     "Trace",
     "__version__",
     "current_trace",
+    "explain_dispatch",
     "masks",
     "merge_heads",
     "multi_head_attention",

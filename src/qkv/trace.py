@@ -13,6 +13,11 @@ Each step names its axes, so a renderer can pick one head or one batch element o
 ``key``, ``token``, ``model`` (d_model features), ``dim`` (per-head features) and ``feature``
 (the columns of a projection matrix, all heads side by side).
 
+On a model, ``qkv.tracing(model=model, layers=..., heads=..., queries=...)`` records only the
+chosen attention modules (named by their path in the model, e.g. ``"blocks.0.attn"``), heads
+and query rows: a step is sliced along its ``head``/``kv_head`` and ``query`` axes before it is
+copied to the CPU, so memory holds only what was asked. Values are always detached copies.
+
 Example:
     >>> import numpy as np, qkv
     >>> x = np.eye(2)
@@ -27,20 +32,23 @@ Example:
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import array_api_compat
 import numpy as np
 
-from qkv._array import Array, to_numpy
+from qkv._array import Array, library, to_numpy
+from qkv._io import write_atomic
 
-__all__ = ["STEP_NAMES", "Step", "Trace", "current_trace", "tracing"]
+__all__ = ["STEP_NAMES", "Step", "Trace", "current_trace", "suspended", "tracing"]
 
 STEP_NAMES = (
     "embeddings",
@@ -78,6 +86,8 @@ class Step:
         description: one line on what the step means, in the seeds' words.
         axes: one name per axis of ``value`` (see the module docstring).
         layer: the module that recorded it, when the trace spans a model.
+        index: for each axis the trace sliced (``head``, ``kv_head``, ``query``), the
+            original index of each entry kept, e.g. ``{"head": [2, 5]}``; None when whole.
     """
 
     name: str
@@ -86,6 +96,7 @@ class Step:
     description: str
     axes: tuple[str, ...]
     layer: str | None = None
+    index: dict[str, list[int]] | None = None
 
     def __post_init__(self) -> None:
         if len(self.axes) != self.value.ndim:
@@ -131,6 +142,8 @@ class Step:
         }
         if self.layer is not None:
             out["layer"] = self.layer
+        if self.index:
+            out["index"] = {axis: list(rows) for axis, rows in self.index.items()}
         return out
 
     @classmethod
@@ -144,6 +157,9 @@ class Step:
             description=data.get("description", ""),
             axes=tuple(data["axes"]),
             layer=data.get("layer"),
+            index={str(k): [int(i) for i in v] for k, v in data["index"].items()}
+            if data.get("index")
+            else None,
         )
 
 
@@ -159,7 +175,18 @@ class Trace:
         meta: facts about the run: ``num_heads``, ``num_kv_heads``, ``d_k``, ``scale``,
             ``scale_mode`` (``"sqrt_dk"``, ``"none"`` or ``"custom"``), ``causal``, ``mask``,
             and for a worked example ``name``, ``description`` and ``queries`` (the query
-            positions to show).
+            positions to show). A model trace adds ``layers``: for each recorded module
+            path, its ``num_heads``, ``num_kv_heads``, ``head_dim`` and what was selected.
+        layers: which attention modules of a model to record: module paths or glob patterns
+            (``"blocks.*.attn"``; a path also selects the modules inside it, so
+            ``"blocks.0"`` selects ``"blocks.0.attn"``) and integers (the n-th attention
+            module of the model, negative from the end); None records every one.
+        heads: which query heads to record (negative from the end); None records all. The
+            key/value steps keep the key/value head of each selected query head.
+        queries: which query rows to record (negative from the end, e.g. ``-1`` for the last
+            token of each call); None records all.
+        record_steps: which step names to record; None records every step of the attention
+            computation (a module's weight matrices ``W_q`` … ``W_o`` only when named here).
 
     Example:
         >>> t = Trace(tokens=["a", "b"])
@@ -173,6 +200,13 @@ class Trace:
     tokens: list[str] | None = None
     query_tokens: list[str] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    layers: tuple[str | int, ...] | None = None
+    heads: tuple[int, ...] | None = None
+    queries: tuple[int, ...] | None = None
+    record_steps: tuple[str, ...] | None = None
+    _state: _RecordingState = field(
+        default_factory=lambda: _RecordingState(), init=False, repr=False, compare=False
+    )
 
     def record(
         self,
@@ -184,11 +218,209 @@ class Trace:
         axes: tuple[str, ...],
         layer: str | None = None,
     ) -> None:
-        """Append a step; ``value`` is copied to a NumPy array on the CPU."""
+        """Append a step; ``value`` is copied to a NumPy array on the CPU.
+
+        Only the selected heads and query rows are copied (see :attr:`heads`,
+        :attr:`queries`); a step not in :attr:`record_steps` is skipped. Inside a module's
+        :meth:`in_layer` block, ``layer`` defaults to the module's path.
+        """
         if name not in STEP_NAMES:
             raise ValueError(f"unknown step name {name!r}; expected one of {STEP_NAMES}")
-        step = Step(name, to_numpy(value), formula, description, tuple(axes), layer)
-        self.steps.append(step)
+        if not self.wants_step(name):
+            return
+        axes = tuple(axes)
+        if library(value) == "torch":
+            value = value.detach()  # never part of the autograd graph
+        value, index = self._slice(value, axes)
+        layer = self._state.layer if layer is None else layer
+        self.steps.append(Step(name, to_numpy(value), formula, description, axes, layer, index))
+
+    # -- selection -------------------------------------------------------------------------
+
+    def wants_step(self, name: str) -> bool:
+        """Whether a step of this name is recorded.
+
+        With no :attr:`record_steps`, every step is except the weight matrices of a module
+        (W_q, W_k, W_v, W_o), which a module records only when they are named.
+        """
+        if self.record_steps is None:
+            return name not in _PARAMETER_STEPS or self._state.layer is None
+        return name in self.record_steps
+
+    def selection(self, axis: str, size: int) -> list[int] | None:
+        """The indices of ``axis`` (``"head"`` or ``"query"``) to record, for an axis of
+        ``size`` entries, with negative indices resolved; None when the whole axis is kept.
+
+        A kernel may use it to compute only these rows when tracing a long sequence.
+
+        Raises:
+            ValueError: a selected index does not exist in this call.
+
+        Example:
+            >>> Trace(queries=(0, -1)).selection("query", 5)
+            [0, 4]
+        """
+        chosen = {"head": self.heads, "query": self.queries}.get(axis)
+        if chosen is None:
+            return None
+        where = f" in layer {self._state.layer!r}" if self._state.layer else ""
+        resolved = []
+        for i in chosen:
+            if not -size <= i < size:
+                kind = "heads" if axis == "head" else "queries"
+                raise ValueError(
+                    f"tracing {kind}={list(chosen)}: index {i} does not exist{where}, which "
+                    f"has {size} {'heads' if axis == 'head' else 'query rows'}. Hint: choose "
+                    f"indices from 0 to {size - 1} (or negative ones from the end)."
+                )
+            resolved.append(i % size)
+        return resolved
+
+    def _slice(self, value: Array, axes: tuple[str, ...]) -> tuple[Array, dict[str, list[int]]]:
+        """Keep only the selected entries of the head, kv_head and query axes of ``value``."""
+        index: dict[str, list[int]] = {}
+        state = self._state
+        for position, axis in enumerate(axes):
+            size = int(value.shape[position])
+            if axis == "head":
+                state.call_heads = size
+                rows = self.selection("head", size)
+            elif axis == "kv_head":
+                rows = self._kv_rows(size)
+            elif axis == "query":
+                rows = self.selection("query", size)
+                if rows is not None:
+                    state.note_queries(rows)
+            else:
+                continue
+            if rows is None:
+                continue
+            index[axis] = rows
+            if rows != list(range(size)):
+                value = _take(value, rows, position)
+        return value, index
+
+    def _kv_rows(self, size: int) -> list[int] | None:
+        """The key/value head of each selected query head (one row per selected head)."""
+        heads = self._state.call_heads
+        if self.heads is None or heads is None or heads % size:
+            return None
+        chosen = self.selection("head", heads)
+        assert chosen is not None
+        group = heads // size
+        return [h // group for h in chosen]
+
+    # -- layers of a model -----------------------------------------------------------------
+
+    @property
+    def current_layer(self) -> str | None:
+        """The path of the module recording now (inside :meth:`in_layer`), else None."""
+        return self._state.layer
+
+    def layer_name(self, module: object) -> str:
+        """The path of a qkv module in the traced model (``"blocks.0.attn"``).
+
+        Modules found by ``tracing(model=...)`` have their path in the model; any other one
+        is named by its class and the order of its first call (``"MultiHeadAttention.0"``).
+        """
+        state = self._state
+        name = state.paths.get(id(module))
+        if name is None:
+            name = f"{type(module).__name__}.{state.unnamed}"
+            state.unnamed += 1
+            state.paths[id(module)] = name
+            if not state.from_model:
+                state.order.append(name)
+        return name
+
+    def records_layer(self, name: str) -> bool:
+        """Whether the module at path ``name`` is recorded (see :attr:`layers`)."""
+        return self.layers is None or any(self._selects(s, name) for s in self.layers)
+
+    def _selects(self, selector: str | int, name: str) -> bool:
+        """Whether one layer selector (a path, pattern or position) selects ``name``."""
+        if isinstance(selector, str):
+            return fnmatch.fnmatchcase(name, selector) or name.startswith(selector + ".")
+        order = self._state.order
+        return -len(order) <= selector < len(order) and order[selector] == name
+
+    @contextmanager
+    def in_layer(self, name: str, **facts: Any) -> Iterator[Trace]:
+        """Record the steps inside the block as the steps of the module at path ``name``.
+
+        ``facts`` (JSON-able: ``num_heads``, ``head_dim``, ...) are kept in
+        ``meta["layers"][name]``, with the heads and query rows selected.
+        """
+        state = self._state
+        previous, previous_heads = state.layer, state.call_heads
+        state.layer, state.call_heads = name, None
+        layers = self.meta.setdefault("layers", {})
+        info = layers.setdefault(name, {})
+        info.update(facts)
+        if self.heads is not None and isinstance(facts.get("num_heads"), int):
+            info["heads"] = self.selection("head", facts["num_heads"])
+        token = _current.set(self)
+        try:
+            yield self
+        finally:
+            _current.reset(token)
+            state.layer, state.call_heads = previous, previous_heads
+
+    def _use_model(self, model: object) -> None:
+        """Name every qkv module of ``model`` by its path, and check :attr:`layers`."""
+        named = getattr(model, "named_modules", None)
+        if not callable(named):
+            raise TypeError(
+                f"tracing(model=...) expects a torch.nn.Module, got {type(model).__name__}. "
+                "Hint: pass the model whose attention layers you want to record."
+            )
+        state = self._state
+        state.from_model = True
+        state.order = []
+        for path, module in named():
+            if getattr(module, "_qkv_traceable", False):
+                name = path or type(module).__name__
+                state.paths[id(module)] = name
+                state.order.append(name)
+        if not state.order:
+            raise ValueError(
+                f"tracing(model=...): the {type(model).__name__} has no qkv attention module "
+                "to record. Hint: build it with qkv.nn.MultiHeadAttention (or convert a "
+                "torch.nn.MultiheadAttention with MultiHeadAttention.from_torch)."
+            )
+        for selector in self.layers or ():
+            if not any(self._selects(selector, name) for name in state.order):
+                shown = ", ".join(repr(n) for n in state.order[:8])
+                more = f" and {len(state.order) - 8} more" if len(state.order) > 8 else ""
+                raise ValueError(
+                    f"tracing layers: {selector!r} selects no attention module of the model. "
+                    f"Hint: its attention modules are {shown}{more} (or 0 to "
+                    f"{len(state.order) - 1} by position)."
+                )
+
+    def _finish(self) -> None:
+        """At the end of a tracing block: label the query rows kept by their positions (when
+        every call kept the same), and title a model trace by what it recorded."""
+        rows = self._state.query_rows
+        if rows and self.query_tokens is None:
+            tokens = self.tokens
+            self.query_tokens = [
+                tokens[i] if tokens is not None and i < len(tokens) else f"t{i}" for i in rows
+            ]
+        layers = self.meta.get("layers")
+        if not layers or "name" in self.meta:
+            return
+        names = list(layers)
+        self.meta["name"] = f"Attention in {names[0] if len(names) == 1 else 'a model'}"
+        parts = [f"recorded layers: {', '.join(names)}"]
+        heads = next((info["heads"] for info in layers.values() if "heads" in info), None)
+        if heads is not None:
+            total = next(iter(layers.values())).get("num_heads")
+            of = f" of {total}" if total else ""
+            parts.append(f"heads {', '.join(str(h + 1) for h in heads)}{of} (numbered from 1)")
+        if rows:
+            parts.append(f"query rows {', '.join(map(str, rows))} (from 0)")
+        self.meta["description"] = "Recorded with qkv.tracing; " + "; ".join(parts) + "."
 
     def __iter__(self) -> Iterator[Step]:
         return iter(self.steps)
@@ -217,10 +449,16 @@ class Trace:
         """The names of the recorded steps, in order."""
         return [step.name for step in self.steps]
 
+    def _repr_html_(self) -> str | None:
+        """Jupyter shows the interactive page (:func:`qkv.render.html`) in a sandboxed iframe."""
+        from qkv.render._html import notebook_html  # the render layer sits above this one
+
+        return notebook_html(self)
+
     # -- serialisation ---------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "format": TRACE_FORMAT,
             "version": TRACE_VERSION,
             "tokens": self.tokens,
@@ -228,6 +466,15 @@ class Trace:
             "meta": _jsonable(self.meta),
             "steps": [step.to_dict() for step in self.steps],
         }
+        selection = {
+            "layers": self.layers,
+            "heads": self.heads,
+            "queries": self.queries,
+            "record_steps": self.record_steps,
+        }
+        if any(v is not None for v in selection.values()):
+            out["selection"] = {k: list(v) for k, v in selection.items() if v is not None}
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Trace:
@@ -240,11 +487,20 @@ class Trace:
                 f"unsupported trace version {data.get('version')!r}; "
                 f"this qkv reads version {TRACE_VERSION}"
             )
+        selection = data.get("selection") or {}
+
+        def chosen(key: str) -> tuple[Any, ...] | None:
+            return tuple(selection[key]) if selection.get(key) is not None else None
+
         return cls(
             steps=[Step.from_dict(s) for s in data["steps"]],
             tokens=data.get("tokens"),
             query_tokens=data.get("query_tokens"),
             meta=dict(data.get("meta") or {}),
+            layers=chosen("layers"),
+            heads=chosen("heads"),
+            queries=chosen("queries"),
+            record_steps=chosen("record_steps"),
         )
 
     def to_json(self, *, indent: int | None = None) -> str:
@@ -257,17 +513,43 @@ class Trace:
 
     def save(self, path: str | Path) -> None:
         """Write the trace as JSON, atomically (a failed write leaves no partial file)."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        try:
-            tmp.write_text(self.to_json(), encoding="utf-8")
-            tmp.replace(path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_atomic(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> Trace:
         return cls.from_json(Path(path).read_text(encoding="utf-8"))
+
+
+_PARAMETER_STEPS = ("W_q", "W_k", "W_v", "W_o")
+
+
+@dataclass
+class _RecordingState:
+    """What a trace keeps while recording: not data, not saved."""
+
+    layer: str | None = None  # the module recording now
+    call_heads: int | None = None  # query heads of the call being recorded (for kv_head)
+    paths: dict[int, str] = field(default_factory=dict)  # id(module) -> path
+    order: list[str] = field(default_factory=list)  # module paths, in model (or call) order
+    from_model: bool = False
+    unnamed: int = 0
+    query_rows: list[int] | None = None  # the query rows kept, while every call agrees
+    queries_differ: bool = False
+
+    def note_queries(self, rows: list[int]) -> None:
+        if self.query_rows is None and not self.queries_differ:
+            self.query_rows = rows
+        elif self.query_rows != rows:
+            self.query_rows, self.queries_differ = None, True
+
+
+def _take(value: Array, rows: list[int], axis: int) -> Array:
+    """The entries ``rows`` of ``axis`` (a copy), in the array's own library."""
+    if library(value) == "numpy":
+        return np.take(value, rows, axis=axis)
+    xp = array_api_compat.array_namespace(value)
+    indices = xp.asarray(rows, dtype=xp.int64, device=array_api_compat.device(value))
+    return xp.take(value, indices, axis=axis)
 
 
 def _encode(value: np.ndarray) -> Any:
@@ -314,11 +596,38 @@ def current_trace() -> Trace | None:
 
 
 @contextmanager
-def tracing(trace: Trace | None = None) -> Iterator[Trace]:
+def tracing(
+    trace: Trace | None = None,
+    *,
+    model: object = None,
+    layers: str | int | Sequence[str | int] | None = None,
+    heads: int | Sequence[int] | None = None,
+    queries: int | Sequence[int] | None = None,
+    steps: str | Sequence[str] | None = None,
+) -> Iterator[Trace]:
     """Record every attention call inside the block into one trace.
+
+    On a model, choose what to record: only the chosen layers, heads and query rows are
+    copied (to the CPU, detached), so a trace of a long sequence stays small. It works under
+    ``torch.no_grad()`` and while training.
 
     Args:
         trace: the trace to append to; a new one by default.
+        model: the model (a ``torch.nn.Module``) whose qkv attention modules to name by their
+            path, e.g. ``"blocks.0.attn"``. Without it, modules are named by class and call
+            order (``"MultiHeadAttention.0"``).
+        layers: module paths, glob patterns (``"blocks.*.attn"``; ``"blocks.0"`` selects
+            the attention inside ``blocks.0``) or positions among the model's attention
+            modules (``0``, ``-1``); default: all.
+        heads: query heads to record, e.g. ``[0, 3]``; default: all.
+        queries: query rows to record, e.g. ``-1`` (the last token of each call); default:
+            all.
+        steps: step names to record, e.g. ``["weights"]``; default: every step of the
+            computation (a module's W_q, W_k, W_v, W_o only when named).
+
+    Raises:
+        ValueError, TypeError: a selection that is not a list of integers or names, an
+            unknown step name, or layers that select no attention module of ``model``.
 
     Example:
         >>> import numpy as np, qkv
@@ -327,13 +636,103 @@ def tracing(trace: Trace | None = None) -> Iterator[Trace]:
         ...                                          np.ones((3, 4)))
         >>> t["weights"].shape
         (2, 3)
+        >>> q = np.ones((1, 4, 5, 2))                    # (B, H, Lq, D)
+        >>> with qkv.tracing(heads=[1, 3], queries=-1) as t:
+        ...     _ = qkv.scaled_dot_product_attention(q, q, q)
+        >>> t["weights"].shape, t["weights"].index
+        ((1, 2, 1, 5), {'head': [1, 3], 'query': [4]})
     """
     trace = Trace() if trace is None else trace
+    if layers is not None:
+        trace.layers = _layer_selection(layers)
+    if heads is not None:
+        trace.heads = _int_selection(heads, "heads", "heads=[0, 3] records heads 0 and 3")
+    if queries is not None:
+        trace.queries = _int_selection(
+            queries, "queries", "queries=-1 records the last query row of each call"
+        )
+    if steps is not None:
+        trace.record_steps = _step_selection(steps)
+    if model is not None:
+        trace._use_model(model)
+    elif trace.layers is not None and any(isinstance(s, int) and s < 0 for s in trace.layers):
+        raise ValueError(
+            f"tracing layers={list(trace.layers)}: a negative position needs model=... to know "
+            "how many attention modules there are. Hint: qkv.tracing(model=model, layers=-1)."
+        )
     token = _current.set(trace)
     try:
         yield trace
     finally:
         _current.reset(token)
+        trace._finish()
+
+
+@contextmanager
+def suspended() -> Iterator[None]:
+    """Record nothing inside the block, even inside a :func:`tracing` block.
+
+    A module whose layer is not selected runs its attention in here, so that the fast
+    path runs and nothing is copied.
+
+    Example:
+        >>> import numpy as np, qkv
+        >>> with qkv.tracing() as t, suspended():
+        ...     _ = qkv.scaled_dot_product_attention(np.eye(2), np.eye(2), np.eye(2))
+        >>> len(t)
+        0
+    """
+    token = _current.set(None)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+def _int_selection(value: object, name: str, hint: str) -> tuple[int, ...]:
+    items = [value] if isinstance(value, int) else value
+    if (
+        not isinstance(items, Sequence)
+        or isinstance(items, str)
+        or not items
+        or any(isinstance(i, bool) or not isinstance(i, int) for i in items)
+    ):
+        raise TypeError(
+            f"tracing {name} must be an integer or a non-empty list of integers, got "
+            f"{value!r}. Hint: {hint}."
+        )
+    return tuple(int(i) for i in items)
+
+
+def _layer_selection(value: object) -> tuple[str | int, ...]:
+    items = [value] if isinstance(value, str | int) else value
+    if (
+        not isinstance(items, Sequence)
+        or not items
+        or any(isinstance(i, bool) or not isinstance(i, str | int) for i in items)
+    ):
+        raise TypeError(
+            f"tracing layers must be a module path, a position, or a non-empty list of them, "
+            f"got {value!r}. Hint: layers=['blocks.0.attn'], layers='blocks.*.attn' or "
+            "layers=[0, -1]."
+        )
+    return tuple(items)
+
+
+def _step_selection(value: object) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, Sequence) or not items:
+        raise TypeError(
+            f"tracing steps must be a step name or a non-empty list of them, got {value!r}. "
+            "Hint: steps=['weights'] records only the attention weights."
+        )
+    unknown = [s for s in items if s not in STEP_NAMES]
+    if unknown:
+        raise ValueError(
+            f"tracing steps: unknown step name {unknown[0]!r}. Hint: the steps are "
+            f"{', '.join(STEP_NAMES)}."
+        )
+    return tuple(items)
 
 
 def resolve(trace: Trace | None) -> Trace | None:

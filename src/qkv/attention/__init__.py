@@ -1,16 +1,29 @@
 """The attention algorithm: softmax, scaled dot-product attention, projections and heads.
 
-``scaled_dot_product_attention`` is the readable reference implementation; every fast path in
-qkv is tested against it.
+``reference_attention`` is the readable reference implementation; every fast path in qkv is
+tested against it. ``scaled_dot_product_attention`` checks its inputs and runs the reference
+or a fast backend (``backend=``); ``explain_dispatch`` says which and why.
 """
 
+from qkv.attention._dispatch import (
+    BACKENDS,
+    Dispatch,
+    dispatch_of_trace,
+    explain_dispatch,
+    scaled_dot_product_attention,
+)
 from qkv.attention._heads import merge_heads, multi_head_attention, self_attention, split_heads
-from qkv.attention._sdpa import scaled_dot_product_attention
+from qkv.attention._sdpa import reference_attention
 from qkv.attention._softmax import softmax
 
 __all__ = [
+    "BACKENDS",
+    "Dispatch",
+    "dispatch_of_trace",
+    "explain_dispatch",
     "merge_heads",
     "multi_head_attention",
+    "reference_attention",
     "scaled_dot_product_attention",
     "self_attention",
     "softmax",

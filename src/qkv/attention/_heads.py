@@ -16,8 +16,9 @@ from typing import Any
 
 from qkv._array import Array, as_array, namespace, shape_str
 from qkv.attention import _checks
-from qkv.attention._sdpa import attend
-from qkv.masks import Alignment, Mask
+from qkv.attention._backends import BackendName
+from qkv.attention._dispatch import checked_call, run_call
+from qkv.masks import Alignment, Mask, ScoreMod
 from qkv.trace import Trace, resolve
 
 PROJECTION_TEXT = {
@@ -63,6 +64,7 @@ def multi_head_attention(
     b_o: Array | None = None,
     mask: Array | Mask | None = None,
     bias: Array | None = None,
+    score_mod: ScoreMod | Callable[..., Any] | None = None,
     is_causal: bool = False,
     causal_alignment: Alignment = "top-left",
     scale: float | None = None,
@@ -70,6 +72,7 @@ def multi_head_attention(
     generator: Any = None,
     return_weights: bool = False,
     trace: Trace | None = None,
+    backend: BackendName = "auto",
 ) -> Any:
     """Multi-head attention: project, split into heads, attend in each head, concat, ·W_o.
 
@@ -87,8 +90,9 @@ def multi_head_attention(
         context: for cross-attention, the sequence the keys and values come from,
             (..., Lk, Ekv); default ``x`` (self-attention).
         b_q, b_k, b_v, b_o: optional projection biases, of the projections' output widths.
-        mask, bias, is_causal, causal_alignment, scale, dropout_p, generator: as in
-            :func:`qkv.scaled_dot_product_attention`, with scores of shape (..., H, Lq, Lk).
+        mask, bias, score_mod, is_causal, causal_alignment, scale, dropout_p, generator,
+            backend: as in :func:`qkv.scaled_dot_product_attention`, with scores of shape
+            (..., H, Lq, Lk).
         return_weights: also return the attention weights (..., H, Lq, Lk).
         trace: record every step (embeddings, W_q, …, per-head steps, concat, output).
 
@@ -150,7 +154,7 @@ def multi_head_attention(
     lead = (*_batch_axes(x.ndim - 2), "head")
     split = f", split into {heads} heads" if heads > 1 else ""
     src = "X" if context is None else "Y"
-    context_vectors, weights = attend(
+    call = checked_call(
         xp,
         q,
         k,
@@ -158,19 +162,22 @@ def multi_head_attention(
         lead=lead,
         mask=mask,
         bias=bias,
+        score_mod=score_mod,
         is_causal=is_causal,
         causal_alignment=causal_alignment,
         scale=scale,
         dropout_p=dropout_p,
         generator=generator,
+        return_weights=return_weights,
         trace=trace,
-        qkv_formulas={
+        formulas={
             "Q": f"Q = X·W_q{split}",
             "K": f"K = {src}·W_k" + (f", split into {kv_heads} heads" if kv_heads > 1 else ""),
             "V": f"V = {src}·W_v" + (f", split into {kv_heads} heads" if kv_heads > 1 else ""),
         },
         squeeze_heads=heads == 1 and kv_heads == 1,
     )
+    context_vectors, weights = run_call(call, backend)
     out = merge_heads(xp, context_vectors)  # (..., Lq, H·Dv)
     if heads > 1 or W_o is not None:
         record("concat", out, ("query", "feature"))
@@ -195,14 +202,15 @@ def self_attention(
     scale: float | None = None,
     return_weights: bool = False,
     trace: Trace | None = None,
+    backend: BackendName = "auto",
 ) -> Any:
     """Single-head self-attention: softmax(X·W_q·(X·W_k)ᵀ · scale)·X·W_v.
 
     Args:
         x: the token embeddings, (..., L, E).
         W_q, W_k: (E, D). W_v: (E, Dv).
-        mask, bias, is_causal, scale: as in :func:`qkv.scaled_dot_product_attention`, with
-            scores of shape (..., L, L).
+        mask, bias, is_causal, scale, backend: as in
+            :func:`qkv.scaled_dot_product_attention`, with scores of shape (..., L, L).
         return_weights: also return the attention weights (..., L, L).
         trace: record every step.
 
@@ -219,7 +227,7 @@ def self_attention(
         >>> context[1].round(4)                   # the context vector of "love"
         array([0.5385, 0.8193])
     """
-    out, weights = multi_head_attention(
+    result = multi_head_attention(
         x,
         W_q,
         W_k,
@@ -228,12 +236,16 @@ def self_attention(
         bias=bias,
         is_causal=is_causal,
         scale=scale,
-        return_weights=True,
+        return_weights=return_weights,
         trace=trace,
+        backend=backend,
     )
-    if return_weights and weights.ndim >= 3:
+    if not return_weights:
+        return result
+    out, weights = result
+    if weights.ndim >= 3:
         weights = weights[..., 0, :, :]  # one head: (..., L, L)
-    return (out, weights) if return_weights else out
+    return out, weights
 
 
 def _project(xp: Any, x: Array, w: Array, b: Array | None) -> Array:

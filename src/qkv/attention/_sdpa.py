@@ -14,24 +14,27 @@ The algorithm, step by step (each step is recorded in the trace under its name):
     scores  S  = Q·Kᵀ
     scaled  S' = S · scale            scale = 1/√d_k unless given
     bias    S' = S' + bias            when a bias is given
+            S' = score_mod(S', b, h, i, j)   when a score modifier is given (ALiBi, softcap)
     masked  S' = S' where allowed, −∞ elsewhere
     weights A  = softmax(S') row by row (a row with no allowed key: all zeros)
-    dropout A  = A · keep / (1 − p)   when dropout_p > 0
+    dropout A  = A · keep / (1 − p)   when dropout_p > 0 (keep: qkv.masks.dropout_keep)
     context C  = A·V
+
+The public :func:`qkv.scaled_dot_product_attention` (in ``_dispatch.py``) checks the inputs
+and runs this reference, or a fast backend proven equal to it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from qkv._array import Array, as_array, compute_dtype, device, is_torch_namespace, namespace
 from qkv.attention import _checks
 from qkv.attention._softmax import _softmax
-from qkv.masks import Alignment, Mask, causal
+from qkv.masks import Alignment, Mask, ScoreMod, causal, draw_seed, dropout_keep
 from qkv.trace import Trace, resolve
 
 STEP_TEXT: Mapping[str, tuple[str, str]] = {
@@ -61,13 +64,14 @@ STEP_TEXT: Mapping[str, tuple[str, str]] = {
 }
 
 
-def scaled_dot_product_attention(
+def reference_attention(
     query: Array,
     key: Array,
     value: Array,
     *,
     mask: Array | Mask | None = None,
     bias: Array | None = None,
+    score_mod: ScoreMod | None = None,
     is_causal: bool = False,
     causal_alignment: Alignment = "top-left",
     scale: float | None = None,
@@ -77,11 +81,12 @@ def scaled_dot_product_attention(
     return_weights: bool = False,
     trace: Trace | None = None,
 ) -> Any:
-    """Attention(Q, K, V) = softmax(Q·Kᵀ · scale + bias, masked) · V.
+    """Attention(Q, K, V) = softmax(Q·Kᵀ · scale + bias, masked) · V, the reference.
 
     The readable reference: every step is plain array code, and every fast path of qkv is
     tested against it. NumPy arrays give NumPy results, PyTorch tensors give tensors on the
-    same device and dtype; float16 and bfloat16 are computed in float32.
+    same device and dtype; float16 and bfloat16 are computed in float32. It is what
+    ``qkv.scaled_dot_product_attention(..., backend="reference")`` runs.
 
     Args:
         query: (..., H, Lq, D), or (Lq, D) for a single head.
@@ -91,6 +96,8 @@ def scaled_dot_product_attention(
             :class:`qkv.masks.Mask`. A query with no allowed key gets zero weights and a zero
             context vector.
         bias: added to the scaled scores, broadcastable to (..., H, Lq, Lk) (e.g. ALiBi).
+        score_mod: a :class:`qkv.masks.ScoreMod` applied to the scaled scores after the
+            bias and before the mask, e.g. ``qkv.masks.softcap(30.0)``.
         is_causal: query i attends only keys j ≤ i (combined with ``mask`` if both are given).
         causal_alignment: ``"top-left"`` or ``"bottom-right"`` (for Lq < Lk, as in decoding
             with a KV cache; the last query sees every key).
@@ -99,7 +106,8 @@ def scaled_dot_product_attention(
             head h // (H / Hkv).
         dropout_p: probability of dropping an attention weight (training only).
         generator: random source for dropout: a ``numpy.random.Generator``, a
-            ``torch.Generator`` or an int seed.
+            ``torch.Generator`` or an int seed. One seed is drawn from it and the dropped
+            weights follow :func:`qkv.masks.dropout_keep` (the same on every backend).
         return_weights: also return the attention weights (before dropout).
         trace: record every step into this :class:`qkv.Trace` (default: the enclosing
             :func:`qkv.tracing` block, if any).
@@ -117,7 +125,7 @@ def scaled_dot_product_attention(
         >>> q = np.array([[0.0, 2 ** 0.5]])              # one query, d_k = 2
         >>> k = np.array([[0.0, 0.0], [0.0, 1.0]])       # two keys: q·k = 0 and √2
         >>> v = np.array([[1.0, 0.0], [0.0, 1.0]])
-        >>> context, weights = scaled_dot_product_attention(q, k, v, return_weights=True)
+        >>> context, weights = reference_attention(q, k, v, return_weights=True)
         >>> weights                                       # [1, e] / (1 + e)
         array([[0.26894142, 0.73105858]])
         >>> context
@@ -126,6 +134,7 @@ def scaled_dot_product_attention(
     The same computation, written out (the docstring doubles as a spec)::
 
         S = query @ key.mT * scale + bias
+        S = score_mod(S, b, h, i, j)
         S = where(mask, S, -inf)
         A = softmax(S, axis=-1)          # rows with no allowed key -> 0
         return A @ value
@@ -143,6 +152,7 @@ def scaled_dot_product_attention(
         lead=default_lead_axes(query.ndim, enable_gqa=enable_gqa),
         mask=mask,
         bias=bias,
+        score_mod=score_mod,
         is_causal=is_causal,
         causal_alignment=causal_alignment,
         scale=scale,
@@ -178,8 +188,10 @@ def attend(
     dropout_p: float,
     generator: Any,
     trace: Trace | None,
+    score_mod: ScoreMod | None = None,
     qkv_formulas: Mapping[str, str] | None = None,
     squeeze_heads: bool = False,
+    positions: Positions | None = None,
 ) -> tuple[Array, Array]:
     """The reference algorithm on checked inputs. Returns (context, weights before dropout).
 
@@ -220,8 +232,13 @@ def attend(
     if bias is not None:
         scaled = scaled + xp.astype(bias, dtype)
         record("bias", scaled, ("query", "key"))
+    if score_mod is not None:
+        scaled = _evaluate(xp, score_mod, lead, scores_shape, device(query), positions, scaled)
+        record("bias", scaled, ("query", "key"), formula=f"S' = {score_mod!r}(S')")
 
-    allowed = _allowed(xp, mask, is_causal, causal_alignment, lead, scores_shape, device(query))
+    allowed = _allowed(
+        xp, mask, is_causal, causal_alignment, lead, scores_shape, device(query), positions
+    )
     if allowed is not None:
         scaled = xp.where(allowed, scaled, xp.asarray(-xp.inf, dtype=dtype, device=device(q)))
         record("masked", scaled, ("query", "key"))
@@ -230,7 +247,10 @@ def attend(
     record("weights", weights, ("query", "key"))
     used = weights
     if dropout_p > 0:
-        used = _dropout(xp, weights, dropout_p, generator)
+        seed = draw_seed(generator, torch_inputs=is_torch_namespace(xp))
+        rule = dropout_keep(dropout_p, seed)
+        keep = _evaluate(xp, rule, lead, scores_shape, device(query), positions)
+        used = xp.where(keep, weights / (1.0 - dropout_p), xp.zeros_like(weights))
         record("dropout", used, ("query", "key"))
 
     context = weighted_sum(xp, used, v)  # (..., H, Lq, Dv)
@@ -248,6 +268,8 @@ def attend(
             causal_alignment=causal_alignment,
             mask=None if mask is None else _describe_mask(mask),
         )
+        if score_mod is not None:
+            trace.meta["score_mod"] = repr(score_mod)
     return xp.astype(context, out_dtype), xp.astype(weights, out_dtype)
 
 
@@ -272,6 +294,7 @@ def _allowed(
     lead: tuple[str, ...],
     scores_shape: tuple[int, ...],
     dev: Any,
+    positions: Positions | None = None,
 ) -> Array | None:
     """The boolean mask of allowed (query, key) pairs, or None when every pair is allowed."""
     rule = mask if isinstance(mask, Mask) else None
@@ -279,27 +302,61 @@ def _allowed(
         rule = causal(alignment) if rule is None else rule & causal(alignment)  # type: ignore[arg-type]
     allowed = None if mask is None or isinstance(mask, Mask) else mask
     if rule is not None:
-        dense = _evaluate(xp, rule, lead, scores_shape, dev)
+        dense = _evaluate(xp, rule, lead, scores_shape, dev, positions)
         allowed = dense if allowed is None else allowed & dense
     return allowed
 
 
 def _evaluate(
-    xp: Any, rule: Mask, lead: tuple[str, ...], scores_shape: tuple[int, ...], dev: Any
+    xp: Any,
+    rule: Mask | ScoreMod,
+    lead: tuple[str, ...],
+    scores_shape: tuple[int, ...],
+    dev: Any,
+    positions: Positions | None = None,
+    scores: Array | None = None,
 ) -> Array:
-    """Evaluate a Mask rule on index arrays laid out like the scores (..., H, Lq, Lk)."""
+    """Evaluate a Mask rule (or a ScoreMod on ``scores``) on index arrays laid out like the
+    scores (..., H, Lq, Lk); with ``positions``, the heads and queries are those rows of a
+    larger call."""
     ndim = len(scores_shape)
 
-    def index(axis: int) -> Array:
+    def index(axis: int, values: list[int] | None = None) -> Array:
         shape = [1] * ndim
         shape[axis] = scores_shape[axis]
-        return xp.reshape(xp.arange(scores_shape[axis], device=dev), tuple(shape))
+        found = (
+            xp.arange(scores_shape[axis], device=dev)
+            if values is None
+            else xp.asarray(values, device=dev)
+        )
+        return xp.reshape(found, tuple(shape))
 
     zero = xp.asarray(0, device=dev)
+    heads = None if positions is None else positions.heads
     b = index(lead.index("batch")) if "batch" in lead else zero
-    h = index(lead.index("head")) if "head" in lead else zero
-    lq, lk = scores_shape[-2], scores_shape[-1]
-    return rule(b, h, index(ndim - 2), index(ndim - 1), lq, lk, xp)
+    h = index(lead.index("head"), heads) if "head" in lead else zero
+    q = index(ndim - 2, None if positions is None else positions.queries)
+    kv = index(ndim - 1)
+    lq = scores_shape[-2] if positions is None else positions.q_len
+    lk = scores_shape[-1]
+    if isinstance(rule, ScoreMod):
+        return rule(scores, b, h, q, kv, lq, lk, xp)
+    return rule(b, h, q, kv, lq, lk, xp)
+
+
+@dataclass(frozen=True)
+class Positions:
+    """Where the rows of a call sit in a larger one (a trace of selected rows).
+
+    Attributes:
+        heads: the original index of each query head (None: no head axis).
+        queries: the original index of each query row.
+        q_len: the original Lq (the causal alignment depends on it).
+    """
+
+    heads: list[int] | None
+    queries: list[int]
+    q_len: int
 
 
 def weighted_sum(xp: Any, weights: Array, value: Array) -> Array:
@@ -325,24 +382,6 @@ def weighted_sum(xp: Any, weights: Array, value: Array) -> Array:
     inf = xp.asarray(xp.inf, dtype=value.dtype, device=device(value))
     context = xp.where(pos, inf, xp.where(neg, -inf, context))
     return xp.where(nan, xp.asarray(xp.nan, dtype=value.dtype, device=device(value)), context)
-
-
-def _dropout(xp: Any, weights: Array, p: float, generator: Any) -> Array:
-    """Zero each weight with probability p and divide the others by 1 − p."""
-    shape = tuple(weights.shape)
-    uniform: Any
-    if is_torch_namespace(xp):
-        import torch
-
-        if isinstance(generator, int):
-            generator = torch.Generator(device=weights.device).manual_seed(generator)
-        uniform = torch.rand(shape, generator=generator, device=weights.device)
-    else:
-        rng = generator if isinstance(generator, np.random.Generator) else None
-        rng = rng or np.random.default_rng(generator)
-        uniform = rng.random(shape)
-    keep = xp.asarray(uniform >= p)
-    return xp.where(keep, weights / (1.0 - p), xp.zeros_like(weights))
 
 
 class _Recorder:

@@ -20,12 +20,19 @@ import os
 import sys
 from collections.abc import Sequence
 
-from qkv.cli import _examples, _explain
+from qkv.cli import _bench, _check, _evaluate, _examples, _explain, _train
 from qkv.cli._common import Command, CommandError, Parser, examples_block, one_line
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
-COMMANDS: tuple[Command, ...] = (_explain.COMMAND, _examples.COMMAND)
+COMMANDS: tuple[Command, ...] = (
+    _explain.COMMAND,
+    _check.COMMAND,
+    _examples.COMMAND,
+    _bench.COMMAND,
+    _train.COMMAND,
+    _evaluate.COMMAND,
+)
 """The subcommands, in the order ``qkv --help`` lists them."""
 
 _TAGLINE = "the attention mechanism, softmax(Q·Kᵀ/√d_k)·V, exact and step by step"
@@ -43,7 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
         ("qkv explain", 'every step of attention on "I love statistics" (seed 000)'),
         ("qkv explain --example two-heads", "multi-head attention, head by head"),
         ("qkv explain --format markdown -o attention.md", "a page for a blog post"),
+        ("qkv check --example i-love-statistics", "find the mistakes in a worked example"),
         ("qkv examples", "the built-in worked examples"),
+        ("qkv bench --quick", "time the attention kernels against PyTorch's SDPA"),
+        ("qkv train recall", "train attention on associative recall (docs/training.md)"),
+        ("qkv explain --model RUN --text '...'", "a trained model's attention on a sentence"),
     ]
     parser = Parser(
         prog="qkv",

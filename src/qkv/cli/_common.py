@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import tempfile
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
+
+from qkv import _io
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = [
     "Command",
     "CommandError",
     "Parser",
+    "emit",
     "int_in_range",
     "write_atomic",
 ]
@@ -81,42 +85,38 @@ def int_in_range(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-def write_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder, then rename it.
+def write_atomic(path: str | os.PathLike[str], text: str, *, option: str = "--output") -> None:
+    """Write ``text`` to ``path`` atomically (see :func:`qkv._io.write_atomic`).
 
     A failure at any point leaves ``path`` as it was (absent or with its old content) and no
-    temporary file behind.
+    temporary file behind; a path that cannot be a file is a :class:`CommandError` naming
+    ``option``.
     """
-    target = Path(path)
-    if target.is_dir():
-        raise CommandError(f"--output {str(target)!r} is a folder; give a file name")
-    folder = target.parent
-    if not folder.is_dir():
-        raise CommandError(
-            f"--output {str(target)!r}: the folder {str(folder)!r} does not exist. "
-            "Hint: create it first"
-        )
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, _mode_for(target))
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+        _io.write_atomic(path, text)
+    except ValueError as error:
+        raise CommandError(f"{option} {error}") from None
 
 
-def _mode_for(target: Path) -> int:
-    """The permissions of the file being replaced, else the usual ones (0o666 minus umask)."""
-    with contextlib.suppress(OSError):
-        return target.stat().st_mode & 0o777
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
+def emit(
+    args: argparse.Namespace,
+    render: Callable[[int], str],
+    print_text: Callable[[Console], None],
+) -> None:
+    """Show a command's result: to ``--output`` (atomically), else on the terminal.
+
+    ``render(width)`` gives the text of ``args.format``; on a terminal the text format is
+    printed with colour by ``print_text(console)`` instead.
+    """
+    if args.output is not None:
+        write_atomic(args.output, render(args.width or 80))
+        print(f"qkv: wrote {args.output} ({args.format})", file=sys.stderr)
+    elif args.format == "text":
+        from rich.console import Console
+
+        print_text(Console(width=args.width, highlight=False, emoji=False, markup=False))
+    else:
+        sys.stdout.write(render(args.width or 80))
 
 
 def one_line(error: BaseException) -> str:

@@ -5,6 +5,10 @@ in the seeds' words, its formula, what it means, a table with token labels and, 
 teach something, worked lines (dot products, a softmax, each context vector as the weighted
 sum of the value vectors). The core needs NumPy and rich only.
 
+Pictures: :func:`heatmap` draws one panel per head with matplotlib (``qkv[viz]``) to PNG or
+SVG; :func:`html` writes one self-contained interactive page (head view, every step, context
+vectors as weighted sums) that opens offline in any browser.
+
 Example:
     >>> import numpy as np, qkv
     >>> from qkv import render
@@ -21,6 +25,8 @@ Example:
 
 from __future__ import annotations
 
+from qkv.render._heatmap import MATRIX_STEPS, heatmap
+from qkv.render._html import html
 from qkv.render._json import json
 from qkv.render._latex import latex
 from qkv.render._markdown import markdown
@@ -34,6 +40,7 @@ FORMATS = ("text", "markdown", "latex", "json")
 
 __all__ = [
     "FORMATS",
+    "MATRIX_STEPS",
     "TITLES",
     "Equation",
     "Fact",
@@ -42,6 +49,8 @@ __all__ = [
     "Section",
     "StepView",
     "Table",
+    "heatmap",
+    "html",
     "json",
     "latex",
     "markdown",

@@ -109,6 +109,172 @@ def _labels(given: Sequence[str] | None, n: int, prefix: str) -> list[str]:
     ]
 
 
+def _labels_at(given: Sequence[str], positions: Sequence[int]) -> list[str]:
+    """Labels of rows kept from a longer sequence: repeated (or empty) ones are told apart by
+    their original 0-based position (``the#4``), as :func:`_labels` does for a whole one."""
+    counts: dict[str, int] = {}
+    for token in given:
+        counts[token] = counts.get(token, 0) + 1
+    return [
+        f"{token}#{i}" if counts[token] > 1 or not token else token
+        for token, i in zip(given, positions, strict=True)
+    ]
+
+
+def _index(steps: Sequence[Step], axis: str) -> list[int] | None:
+    """The original index of each entry kept along ``axis`` (``Step.index``), or None when no
+    step of the call was sliced along it."""
+    for step in steps:
+        if step.index and axis in step.index and axis in step.axes:
+            return [int(i) for i in step.index[axis]]
+    return None
+
+
+def _derived_query_tokens(trace: Trace, rows: Sequence[int]) -> bool:
+    """Whether ``trace.query_tokens`` only names the query rows a selection kept (what
+    ``qkv.tracing(queries=...)`` writes: the token or ``t<i>`` of each row), so the queries
+    are the tokens themselves (self-attention) and are labelled from ``trace.tokens``."""
+    given, tokens = trace.query_tokens, trace.tokens
+    if given is None:
+        return True
+    if len(given) != len(rows):
+        return False
+    return all(
+        label == f"t{i}" or (tokens is not None and i < len(tokens) and label == tokens[i])
+        for label, i in zip(given, rows, strict=True)
+    )
+
+
+def query_labels(trace: Trace, lq: int, rows: Sequence[int] | None) -> list[str]:
+    """The labels of the ``lq`` query rows of a call; ``rows`` are their original positions
+    when the trace kept only some (``Step.index["query"]``), else None.
+
+    A kept row is labelled by its original position's token (``trace.query_tokens`` when it
+    labels every query or just the kept ones, else ``trace.tokens``), or ``t<position>``.
+    """
+    if rows is None or len(rows) != lq or lq == 0:
+        query_tokens = trace.query_tokens or trace.tokens
+        return _labels(query_tokens, lq, "q" if trace.query_tokens else "t")
+    given, tokens = trace.query_tokens, trace.tokens
+    if given is not None and not _derived_query_tokens(trace, rows):
+        if len(given) == len(rows):  # labels of the kept rows (cross-attention)
+            return _labels_at(given, rows)
+        if len(given) > max(rows):  # labels of every query row
+            whole = _labels(given, len(given), "q")
+            return [whole[i] for i in rows]
+        return [f"q{i}" for i in rows]
+    if tokens is not None and len(tokens) > max(rows):
+        whole = _labels(tokens, len(tokens), "t")
+        return [whole[i] for i in rows]
+    return [f"t{i}" for i in rows]
+
+
+def query_position(wanted: object, labels: Sequence[str], rows: Sequence[int] | None) -> int | None:
+    """The row (0-based, in the recorded values) of a query asked for by its label or by its
+    0-based position; with ``rows`` (a selection), a position is an original one (``-1`` the
+    last kept row). None: no such query."""
+    lq = len(labels)
+    if isinstance(wanted, str) and wanted in labels:
+        return labels.index(wanted)
+    if not isinstance(wanted, int) or isinstance(wanted, bool) or lq == 0:
+        return None
+    if rows is not None and len(rows) == lq and wanted >= 0:
+        return list(rows).index(wanted) if wanted in rows else None
+    return wanted % lq if -lq <= wanted < lq else None
+
+
+class Heads:
+    """The heads of one attention call as recorded, and the original numbers of each.
+
+    Attributes:
+        count: query heads recorded (the size of the ``head`` axis; 1 without one).
+        kv_count: key/value heads recorded (the size of the ``kv_head`` axis).
+        numbers: the original 0-based number of each recorded head (``Step.index``).
+        total, kv_total: the heads and key/value heads of the call (None: unknown).
+        kv_numbers: the original 0-based key/value head of each recorded head (None: unknown).
+        selected: only some heads were recorded (``qkv.tracing(heads=...)``).
+    """
+
+    total: int | None
+    kv_total: int | None
+    kv_numbers: list[int] | None
+
+    def __init__(self, trace: Trace, steps: Sequence[Step]) -> None:
+        self.count = _size(steps, "head") or 1
+        self.kv_count = _size(steps, "kv_head") or self.count
+        index, kv_index = _index(steps, "head"), _index(steps, "kv_head")
+        if index is None or len(index) != self.count:
+            # the whole call: positions are head numbers (as before any selection existed)
+            self.numbers = list(range(self.count))
+            self.total, self.kv_total = self.count, self.kv_count
+            per = max(1, self.count // self.kv_count)
+            self.kv_numbers = [h // per for h in range(self.count)]
+            self._kv_rows = list(self.kv_numbers)
+            self.selected = False
+            return
+        self.numbers = index
+        self.total, self.kv_total = _head_totals(trace, steps, index)
+        group = (
+            self.total // self.kv_total
+            if self.total and self.kv_total and self.total % self.kv_total == 0
+            else None
+        )
+        if kv_index is not None and len(kv_index) == self.count:
+            self.kv_numbers, self._kv_rows = kv_index, list(range(self.count))
+        elif group is not None:
+            self.kv_numbers = [h // group for h in index]
+            whole = self.kv_count == self.kv_total  # key/value steps kept whole
+            self._kv_rows = list(self.kv_numbers) if whole else [0] * self.count
+        else:
+            self.kv_numbers, self._kv_rows = None, [0] * self.count
+        self.selected = self.total is None or index != list(range(self.total))
+
+    @property
+    def grouped(self) -> bool:
+        """Whether key/value heads are shared by several query heads (GQA or MQA)."""
+        return self.kv_total is not None and self.kv_total != self.total
+
+    def select(self, step: Step, position: int) -> np.ndarray:
+        """The 2-D (or 1-D) value of ``step`` for the recorded head at ``position``, batch 0."""
+        if "kv_head" in step.axes:
+            return step.select(head=self._kv_rows[position], batch=0, group_size=1)
+        return step.select(head=position, batch=0)
+
+    def title(self, position: int) -> str:
+        """``Head 3 of 4 (key/value head 2 of 2)``: the original numbers, from 1."""
+        of = f" of {self.total}" if self.total else ""
+        name = f"Head {self.numbers[position] + 1}{of}"
+        if self.grouped and self.kv_numbers is not None:
+            name += f" (key/value head {self.kv_numbers[position] + 1} of {self.kv_total})"
+        return name
+
+    def split(self, steps: Sequence[Step]) -> tuple[int, int] | None:
+        """The first and last positions of the per-head steps when the call is shown head by
+        head (several heads, or heads chosen by a selection), else None."""
+        per_head = [i for i, s in enumerate(steps) if {"head", "kv_head"} & set(s.axes)]
+        if not per_head or (self.count == 1 and not self.selected):
+            return None
+        return per_head[0], per_head[-1]
+
+
+def _head_totals(
+    trace: Trace, steps: Sequence[Step], index: Sequence[int]
+) -> tuple[int | None, int | None]:
+    """The heads and key/value heads of a call recorded with a head selection: from the
+    module's facts (``meta["layers"]``), else the trace's meta when it fits the selection."""
+    layers = trace.meta.get("layers")
+    layer = steps[0].layer if steps else None
+    sources = [layers.get(layer) if isinstance(layers, dict) and layer else None, trace.meta]
+    for source in sources:
+        if not isinstance(source, dict):
+            continue
+        total, kv = source.get("num_heads"), source.get("num_kv_heads")
+        if isinstance(total, int) and not isinstance(total, bool) and total > max(index):
+            kv_ok = isinstance(kv, int) and not isinstance(kv, bool) and 0 < kv <= total
+            return total, kv if kv_ok else total
+    return None, None
+
+
 class _CallBuilder:
     """The sections of one attention call (one multi_head_attention or SDPA run)."""
 
@@ -116,9 +282,8 @@ class _CallBuilder:
         self.trace = trace
         self.steps = steps
         self.p = precision
-        self.heads = _size(steps, "head") or 1
-        self.kv_heads = _size(steps, "kv_head") or self.heads
-        self.group = max(1, self.heads // self.kv_heads)
+        self.head = Heads(trace, steps)
+        self.heads = self.head.count
         self.batch = _size(steps, "batch")
         self.numbers: dict[str, int] = {}
         for step in steps:
@@ -126,15 +291,24 @@ class _CallBuilder:
         lq = _size(steps, "query")
         lk = _size(steps, "key")
         tokens = trace.tokens
-        query_tokens = trace.query_tokens or tokens
-        self.query_labels = _labels(query_tokens, lq or 0, "q" if trace.query_tokens else "t")
+        # a selection keeps some query rows: each is labelled by its original position
+        self.query_rows = _index(steps, "query")
+        self.query_labels = query_labels(trace, lq or 0, self.query_rows)
+        self.derived = self.query_rows is not None and _derived_query_tokens(trace, self.query_rows)
+        query_tokens = tokens if self.derived else trace.query_tokens or tokens
         self.key_labels = _labels(tokens, lk or 0, "t")
         self.token_labels = _labels(query_tokens, _size(steps, "token") or 0, "t")
         self.queries = self._shown_queries(lq)
         self.worked = self._worked_query(lq or 0)
         self.scale = self._call_scale()
         self.work = WorkedLines(
-            self.query_labels, self.key_labels, self.queries, self.worked, self.scale, precision
+            self.query_labels,
+            self.key_labels,
+            self.queries,
+            self.worked,
+            self.scale,
+            precision,
+            self.query_rows,
         )
 
     def _call_scale(self) -> tuple[float | None, str | None, int | None]:
@@ -167,7 +341,7 @@ class _CallBuilder:
         masked = next((s for s in self.steps if s.name == "masked"), None)
         if masked is None:
             return shown[0]
-        allowed = np.isfinite(masked.select(head=0, batch=0, group_size=self.group))
+        allowed = np.isfinite(self.head.select(masked, 0))
         if allowed.ndim != 2 or allowed.shape[0] != lq:
             return shown[0]
         counts = allowed.sum(axis=1)
@@ -181,23 +355,22 @@ class _CallBuilder:
             return None
         shown: list[int] = []
         for q in wanted if isinstance(wanted, list | tuple) else [wanted]:
-            if isinstance(q, str) and q in self.query_labels:
-                shown.append(self.query_labels.index(q))
-            elif isinstance(q, int) and not isinstance(q, bool) and -lq <= q < lq:
-                shown.append(q % lq)
-            else:
+            row = query_position(q, self.query_labels, self.query_rows)
+            if row is None:
                 return None  # a selection that does not fit this call: show every query
+            shown.append(row)
         return shown if shown and shown != list(range(lq)) else None
 
     def facts(self) -> list[Fact]:
         meta, steps = self.trace.meta, self.steps
         facts: list[Fact] = []
+        query_tokens = None if self.derived else self.trace.query_tokens
         if self.trace.tokens:
             tokens = list(self.trace.tokens)
-            label = "tokens" if not self.trace.query_tokens else "key tokens"
+            label = "tokens" if not query_tokens else "key tokens"
             facts.append(_list_fact(label, tokens))
-            if self.trace.query_tokens:
-                facts.append(_list_fact("query tokens", list(self.trace.query_tokens)))
+            if query_tokens:
+                facts.append(_list_fact("query tokens", list(query_tokens)))
         d_model = meta.get("d_model") or _size(steps, "model")
         if d_model:
             facts.append(Fact("d_model", str(d_model), str(d_model)))
@@ -206,11 +379,7 @@ class _CallBuilder:
         if d_k:
             value = str(d_k) if not d_v or d_v == d_k else f"{d_k} (d_v = {d_v})"
             facts.append(Fact("d_k", value, latex_escape(value)))
-        heads = str(self.heads)
-        if self.kv_heads != self.heads:
-            kind = "multi-query" if self.kv_heads == 1 else "grouped-query"
-            heads += f" ({self.kv_heads} key/value heads: {kind} attention)"
-        facts.append(Fact("heads", heads, latex_escape(heads)))
+        facts.append(self._heads_fact())
         scale = self._scale_fact()
         if scale is not None:
             facts.append(scale)
@@ -219,16 +388,51 @@ class _CallBuilder:
             facts.append(Fact("mask", text, latex_escape(text)))
         elif meta.get("mask"):
             facts.append(Fact("mask", str(meta["mask"]), latex_escape(str(meta["mask"]))))
-        if self.queries is not None:
-            names = [self.query_labels[i] for i in self.queries]
-            plain = f"{', '.join(names)} ({len(names)} of {len(self.query_labels)} shown)"
-            latex = ", ".join(latex_escape(n) for n in names)
-            latex += f" ({len(names)} of {len(self.query_labels)} shown)"
-            facts.append(Fact("queries", plain, latex))
+        queries = self._queries_fact()
+        if queries is not None:
+            facts.append(queries)
         if self.batch and self.batch > 1:
             text = f"element 1 of {self.batch} shown"
             facts.append(Fact("batch", text, text))
         return facts
+
+    def _queries_fact(self) -> Fact | None:
+        """The queries shown (``love (1 of 3 shown)``) and the rows a selection recorded
+        (``recorded: rows 0, 4 (numbered from 0)``), or None when every query is shown."""
+        plain: list[str] = []
+        latex: list[str] = []
+        if self.queries is not None:
+            names = [self.query_labels[i] for i in self.queries]
+            shown = f" ({len(names)} of {len(self.query_labels)} shown)"
+            plain.append(", ".join(names) + shown)
+            latex.append(", ".join(latex_escape(n) for n in names) + shown)
+        rows = self.query_rows
+        if rows is not None:
+            if self.queries is None and self.query_labels != [f"t{i}" for i in rows]:
+                plain.append(", ".join(self.query_labels))
+                latex.append(", ".join(latex_escape(n) for n in self.query_labels))
+            text = f"recorded: rows {', '.join(map(str, rows))} (numbered from 0)"
+            plain.append(text)
+            latex.append(text)
+        if not plain:
+            return None
+        return Fact("queries", "; ".join(plain), "; ".join(latex))
+
+    def _heads_fact(self) -> Fact:
+        """``4 (2 key/value heads: grouped-query attention)``, and which were recorded."""
+        head = self.head
+        parts = []
+        if head.total:
+            text = str(head.total)
+            if head.grouped:
+                kind = "multi-query" if head.kv_total == 1 else "grouped-query"
+                text += f" ({head.kv_total} key/value heads: {kind} attention)"
+            parts.append(text)
+        if head.selected:
+            numbers = ", ".join(str(h + 1) for h in head.numbers)
+            parts.append(f"recorded: {numbers} (numbered from 1)")
+        text = "; ".join(parts)
+        return Fact("heads", text, latex_escape(text))
 
     def _scale_fact(self) -> Fact | None:
         scale, mode, d_k = self.scale
@@ -253,10 +457,10 @@ class _CallBuilder:
                 return f"{prefix}: {text}"
             return prefix or text
 
-        per_head = [i for i, s in enumerate(self.steps) if {"head", "kv_head"} & set(s.axes)]
-        if self.heads == 1 or not per_head:
+        split = self.head.split(self.steps)
+        if split is None:
             return [Section(title(None), tuple(self._views(self.steps, head=0)))]
-        first, last = per_head[0], per_head[-1]
+        first, last = split
         before, middle, after = (
             self.steps[:first],
             self.steps[first : last + 1],
@@ -266,9 +470,7 @@ class _CallBuilder:
         if before:
             sections.append(Section(title("Inputs"), tuple(self._views(before, head=0))))
         for h in range(self.heads):
-            name = f"Head {h + 1} of {self.heads}"
-            if self.kv_heads != self.heads:
-                name += f" (key/value head {h // self.group + 1} of {self.kv_heads})"
+            name = self.head.title(h)
             sections.append(Section(title(name), tuple(self._views(middle, head=h))))
         if after:
             sections.append(
@@ -280,7 +482,7 @@ class _CallBuilder:
         seen: dict[str, np.ndarray] = {}
         views = []
         for step in steps:
-            value = np.asarray(step.select(head=head, batch=0, group_size=self.group))
+            value = np.asarray(self.head.select(step, head))
             axes = tuple(a for a in step.axes if a in _MATRIX_AXES)
             if value.ndim == 2 and len(axes) == 2:
                 seen[step.name] = value.astype(np.float64)
@@ -328,7 +530,8 @@ class _CallBuilder:
                 return r"S' = S \quad \text{(no scaling)}"
             return rf"S' = S \times {float(scale):.4g}"
         if name in ("concat", "output"):
-            concat = rf"\operatorname{{concat}}(C_1, \dots, C_{{{self.heads}}})"
+            heads = self.head.total or "h"
+            concat = rf"\operatorname{{concat}}(C_1, \dots, C_{{{heads}}})"
             return concat if name == "concat" else rf"O = {concat}\, W_o"
         return LATEX_FORMULAS.get(name, r"\text{" + latex_escape(name) + "}")
 
@@ -344,7 +547,8 @@ class _CallBuilder:
         if axis == "model":
             return [f"e{i + 1}" for i in range(n)]
         if axis == "feature":
-            groups = self.kv_heads if step in ("W_k", "W_v") else self.heads
+            # every head's columns are recorded, even when only some heads were selected
+            groups = (self.head.kv_total if step in ("W_k", "W_v") else self.head.total) or 1
             if groups > 1 and n % groups == 0:
                 per = n // groups
                 return [f"h{i // per + 1}.d{i % per + 1}" for i in range(n)]

@@ -35,6 +35,8 @@ class WorkedLines:
         worked: the query whose dot products and softmax are written out.
         scale: (scale, scale_mode, d_k) of the call.
         precision: decimals of every number.
+        query_rows: the original position of each query row when a selection kept only
+            some (``Step.index["query"]``), else None; the embeddings keep every row.
     """
 
     query_labels: Sequence[str]
@@ -43,6 +45,7 @@ class WorkedLines:
     worked: int
     scale: tuple[float | None, str | None, int | None]
     precision: int
+    query_rows: Sequence[int] | None = None
 
     @property
     def p(self) -> int:
@@ -68,7 +71,12 @@ class WorkedLines:
     def _projection(self, seen: dict[str, np.ndarray]) -> list[Equation]:
         """``q_love = x_love·W_q = [0.4, 0.8, 0.6]·W_q = [0.5, 0.8]`` for the worked query."""
         x, w, q = seen.get("embeddings"), seen.get("W_q"), seen.get("Q")
-        if x is None or w is None or q is None or x.shape[0] != q.shape[0]:
+        if x is None or w is None or q is None:
+            return []
+        rows = self.query_rows
+        if rows is not None and len(rows) == q.shape[0] and x.shape[0] > max(rows, default=0):
+            x = x[list(rows)]  # the embeddings of the query rows kept
+        if x.shape[0] != q.shape[0]:
             return []
         if w.shape != (x.shape[1], q.shape[1]) or not np.allclose(x @ w, q, rtol=1e-6, atol=1e-9):
             return []  # several heads, a bias or a different source: nothing simple to show

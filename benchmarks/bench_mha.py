@@ -1,0 +1,191 @@
+"""qkv.nn.MultiHeadAttention against torch.nn.MultiheadAttention, in one run.
+
+Both modules hold the same weights (``MultiHeadAttention.from_torch``) and see the same input;
+torch's is called with ``need_weights=False`` (its fast path). For each sequence length L the
+script prints the median time of
+
+- forward: ``module.eval()`` under ``torch.no_grad()``;
+- forward+backward: ``module.train()`` (dropout 0), ``out.sum().backward()`` w.r.t. the
+  input and every weight;
+
+and the ratio qkv / torch (below 1 means qkv is faster). The two modules alternate within each
+repeat, so that a machine busy with something else slows both alike. Timings on a shared
+machine are indicative: look at the ratios, not the milliseconds.
+
+Usage:
+    python benchmarks/bench_mha.py                      # L = 512, 2048, 8192
+    python benchmarks/bench_mha.py --lengths 512 1024 --repeats 9 --causal
+    python benchmarks/bench_mha.py --device cuda --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+
+import qkv
+from qkv.nn import MultiHeadAttention
+
+
+@dataclass
+class Row:
+    length: int
+    forward: tuple[float, float]  # (torch, qkv) median seconds
+    backward: tuple[float, float]
+
+    @staticmethod
+    def ratio(pair: tuple[float, float]) -> float:
+        return pair[1] / pair[0]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(run: Callable[[], object], device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    run()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def measure(
+    length: int,
+    *,
+    batch: int,
+    embed_dim: int,
+    heads: int,
+    repeats: int,
+    causal: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: Callable[[], None] = lambda: None,
+) -> Row:
+    torch.manual_seed(0)
+    theirs = torch.nn.MultiheadAttention(
+        embed_dim, heads, batch_first=True, device=device, dtype=dtype
+    )
+    ours = MultiHeadAttention.from_torch(theirs)
+    x = torch.randn(batch, length, embed_dim, device=device, dtype=dtype)
+    torch_mask = (
+        torch.ones(length, length, dtype=torch.bool, device=device).triu(1) if causal else None
+    )
+
+    def torch_forward(inp: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor
+        out, _ = theirs(inp, inp, inp, need_weights=False, attn_mask=torch_mask, is_causal=causal)
+        return out
+
+    def qkv_forward(inp: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = ours(inp, is_causal=causal)
+        return out
+
+    with torch.no_grad():  # the same numbers, before timing anything
+        difference = (torch_forward(x) - qkv_forward(x)).abs().max().item()
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    if difference > tolerance:
+        raise SystemExit(f"qkv and torch disagree at L={length}: max difference {difference:.3g}")
+
+    def inference(forward: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], object]:
+        def run() -> object:
+            with torch.no_grad():
+                return forward(x)
+
+        return run
+
+    def training(forward: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], object]:
+        def run() -> object:
+            inp = x.detach().requires_grad_()
+            forward(inp).sum().backward()  # type: ignore[no-untyped-call]
+            return inp.grad
+
+        return run
+
+    row: dict[str, tuple[float, float]] = {}
+    for mode, wrap in (("forward", inference), ("backward", training)):
+        for module in (theirs, ours):
+            module.train(mode == "backward")
+        runs = (wrap(torch_forward), wrap(qkv_forward))
+        for run in runs:  # warm-up
+            run()
+        times: tuple[list[float], list[float]] = ([], [])
+        for i in range(repeats):
+            order = (0, 1) if i % 2 == 0 else (1, 0)  # alternate who goes first
+            for which in order:
+                times[which].append(_time(runs[which], device))
+            progress()
+        row[mode] = (statistics.median(times[0]), statistics.median(times[1]))
+    return Row(length, row["forward"], row["backward"])
+
+
+def table(rows: Sequence[Row]) -> str:
+    lines = [
+        "| L | forward torch (ms) | forward qkv (ms) | ratio | fwd+bwd torch (ms) "
+        "| fwd+bwd qkv (ms) | ratio |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.length} | {r.forward[0] * 1e3:.1f} | {r.forward[1] * 1e3:.1f} | "
+            f"{Row.ratio(r.forward):.2f} | {r.backward[0] * 1e3:.1f} | "
+            f"{r.backward[1] * 1e3:.1f} | {Row.ratio(r.backward):.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        epilog="Example: python benchmarks/bench_mha.py --lengths 512 2048 --repeats 5",
+    )
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--embed-dim", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per cell (median)")
+    parser.add_argument("--causal", action="store_true", help="causal self-attention")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    args = parser.parse_args(argv)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    console = Console(stderr=True)
+    console.print(
+        f"torch {torch.__version__}, qkv {qkv.__version__}, {args.device} "
+        f"({torch.get_num_threads()} threads), {args.dtype}; B={args.batch}, "
+        f"E={args.embed_dim}, H={args.heads}, causal={args.causal}, "
+        f"median of {args.repeats}"
+    )
+    rows = []
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("timing", total=2 * args.repeats * len(args.lengths))
+        for length in args.lengths:
+            rows.append(
+                measure(
+                    length,
+                    batch=args.batch,
+                    embed_dim=args.embed_dim,
+                    heads=args.heads,
+                    repeats=args.repeats,
+                    causal=args.causal,
+                    device=device,
+                    dtype=dtype,
+                    progress=lambda: bar.advance(task),
+                )
+            )
+    print(table(rows))
+    print("ratio = qkv time / torch time (below 1: qkv is faster)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

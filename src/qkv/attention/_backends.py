@@ -1,0 +1,300 @@
+"""The backends of attention, one signature for all: each takes a checked :class:`Call`,
+says what it refuses (and why), and runs it.
+
+    reference   the readable reference (``_sdpa.py``), NumPy or PyTorch; forms every step
+    sdpa        torch.nn.functional.scaled_dot_product_attention (fused, no (Lq, Lk) matrix
+                unless a mask or bias has to be passed as one)
+    tiled       qkv.kernels.tiled_attention (O(L) memory, masks skip empty blocks)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from qkv._array import Array, library
+from qkv.attention._sdpa import attend
+from qkv.masks import Mask, ScoreMod
+from qkv.trace import Trace
+
+__all__ = ["BACKENDS", "DENSE_MASK_LIMIT", "MEMORY_FRACTION", "Backend", "Call"]
+
+BackendName = Literal["auto", "reference", "sdpa", "tiled"]
+
+DENSE_MASK_LIMIT = 1 << 22
+"""Auto avoids SDPA when it would need a mask array of more elements than this (4 Mi: a
+2048 × 2048 matrix); the tiled kernel evaluates such masks block by block instead."""
+
+MEMORY_FRACTION = 0.25
+"""The share of the free memory a backend may fill with (Lq, Lk) matrices (the reference's
+steps, a full trace) before auto looks elsewhere."""
+
+_REFERENCE_COPIES = 5  # scores, scaled, masked, weights, and softmax's temporaries
+
+
+@dataclass(frozen=True)
+class Call:
+    """One attention call, checked: what every backend receives.
+
+    ``lead`` names the axes before (L, D) (``("batch", "head")`` for (B, H, L, D)); the
+    other fields are the arguments of :func:`scaled_dot_product_attention`, with ``trace``
+    resolved (the one given or the enclosing ``qkv.tracing()`` block's) and ``generator``
+    already turned into an int seed when dropout is on.
+    """
+
+    xp: Any
+    query: Array
+    key: Array
+    value: Array
+    lead: tuple[str, ...]
+    mask: Array | Mask | None = None
+    bias: Array | None = None
+    score_mod: ScoreMod | None = None
+    is_causal: bool = False
+    causal_alignment: str = "top-left"
+    scale: float | None = None
+    dropout_p: float = 0.0
+    generator: Any = None
+    return_weights: bool = False
+    trace: Trace | None = None
+    formulas: dict[str, str] | None = None
+    squeeze_heads: bool = False
+
+    @property
+    def torch(self) -> bool:
+        return library(self.query) == "torch"
+
+    @property
+    def masked(self) -> bool:
+        return self.mask is not None or self.is_causal
+
+    def scores_elements(self) -> int:
+        """Elements of one (..., H, Lq, Lk) matrix."""
+        return math.prod(int(n) for n in self.query.shape[:-1]) * int(self.key.shape[-2])
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A backend: its name, a one-line description, what it refuses and how it runs.
+
+    ``refusal(call, auto)`` returns None when the backend can run the call, else the reason
+    in a few words; ``auto`` is True when the choice is the dispatcher's (a backend may
+    then refuse calls it could run, but slowly). ``run(call)`` returns (context, weights or
+    None).
+    """
+
+    name: str
+    description: str
+    refusal: Callable[[Call, bool], str | None]
+    run: Callable[[Call], tuple[Array, Array | None]]
+
+
+# -- the backends --------------------------------------------------------------------------
+
+
+def _reference_refusal(call: Call, auto: bool) -> str | None:
+    need = call.scores_elements() * _itemsize(call) * _REFERENCE_COPIES
+    free = available_memory(call.query)
+    if free is not None and need > free * MEMORY_FRACTION:
+        return f"would form (Lq, Lk) matrices of {_size(need)}, too much for {_size(free)} free"
+    if auto and call.torch and not call.return_weights and call.trace is None:
+        return "slower than the fused kernels when neither weights nor a trace are asked for"
+    return None
+
+
+def _run_reference(call: Call) -> tuple[Array, Array | None]:
+    context: Array
+    weights: Array
+    context, weights = attend(
+        call.xp,
+        call.query,
+        call.key,
+        call.value,
+        lead=call.lead,
+        mask=call.mask,
+        bias=call.bias,
+        score_mod=call.score_mod,
+        is_causal=call.is_causal,
+        causal_alignment=call.causal_alignment,
+        scale=call.scale,
+        dropout_p=call.dropout_p,
+        generator=call.generator,
+        trace=call.trace,
+        qkv_formulas=call.formulas,
+        squeeze_heads=call.squeeze_heads,
+    )
+    return context, weights
+
+
+def _common_refusal(call: Call, what: str) -> str | None:
+    if not call.torch:
+        return "needs PyTorch tensors; these are NumPy arrays"
+    if call.return_weights:
+        return f"weights asked for: {what} never forms them"
+    if len(call.lead) > 2:
+        return f"{len(call.lead) + 2} dimensions: it takes at most (B, H, L, D)"
+    return None
+
+
+def _sdpa_refusal(call: Call, auto: bool) -> str | None:
+    common = _common_refusal(call, "torch's fused kernel")
+    if common is not None:
+        return common
+    if call.dropout_p > 0:
+        return "dropout: torch draws its own random numbers, not qkv's generator pattern"
+    if call.score_mod is not None:
+        return "a score_mod: torch takes only a mask and an additive bias"
+    if call.bias is not None and getattr(call.bias, "requires_grad", False):
+        return "a bias that needs a gradient"
+    from qkv.kernels import dense_mask_elements
+
+    q4, k4 = _four(call.query, call.lead), _four(call.key, call.lead)
+    elements = dense_mask_elements(
+        tuple(q4.shape),
+        tuple(k4.shape),
+        mask=_four_mask(call.mask, call),
+        bias=_four_mask(call.bias, call),
+        is_causal=call.is_causal,
+        causal_alignment=call.causal_alignment,
+    )
+    if auto and elements > DENSE_MASK_LIMIT:
+        kind = "mask and bias" if call.bias is not None else "mask"
+        return f"would need a dense {kind} array of {elements:,} elements"
+    return None
+
+
+def _run_sdpa(call: Call) -> tuple[Array, Array | None]:
+    from qkv.kernels import sdpa_attention
+
+    out = sdpa_attention(
+        _four(call.query, call.lead),
+        _four(call.key, call.lead),
+        _four(call.value, call.lead),
+        mask=_four_mask(call.mask, call),
+        bias=_four_mask(call.bias, call),
+        is_causal=call.is_causal,
+        causal_alignment=call.causal_alignment,
+        scale=call.scale,
+    )
+    if call.masked or call.bias is not None:
+        import torch
+
+        if not bool(torch.isfinite(out).all()):
+            # torch lets a NaN or ±inf of a masked-out key reach every output; redo the call
+            # with the tiled kernel, which keeps them out (qkv's policy).
+            return _run_tiled(call)
+    return _three(out, call.lead), None
+
+
+def _tiled_refusal(call: Call, auto: bool) -> str | None:
+    return _common_refusal(call, "the tiled kernel")
+
+
+def _run_tiled(call: Call) -> tuple[Array, Array | None]:
+    from qkv.kernels import tiled_attention
+
+    out = tiled_attention(
+        _four(call.query, call.lead),
+        _four(call.key, call.lead),
+        _four(call.value, call.lead),
+        mask=_four_mask(call.mask, call),
+        bias=_four_mask(call.bias, call),
+        score_mod=call.score_mod,
+        is_causal=call.is_causal,
+        causal_alignment=call.causal_alignment,
+        scale=call.scale,
+        dropout_p=call.dropout_p,
+        generator=call.generator,
+    )
+    return _three(out, call.lead), None
+
+
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in (
+        Backend(
+            "reference",
+            "the readable reference; forms every step",
+            _reference_refusal,
+            _run_reference,
+        ),
+        Backend("sdpa", "torch's fused scaled_dot_product_attention", _sdpa_refusal, _run_sdpa),
+        Backend("tiled", "qkv's tiled O(L)-memory kernel", _tiled_refusal, _run_tiled),
+    )
+}
+"""The registered backends, in the order auto considers them after the reference."""
+
+
+# -- memory --------------------------------------------------------------------------------
+
+
+def available_memory(like: Array) -> int | None:
+    """Free memory in bytes where ``like`` lives (None when unknown)."""
+    if library(like) == "torch" and like.device.type == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(like.device)
+        return int(free)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _itemsize(call: Call) -> int:
+    size = getattr(call.query, "itemsize", None)
+    if size is None:
+        size = call.query.element_size()
+    return max(int(size), 4)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+# -- layouts -------------------------------------------------------------------------------
+
+
+def _four(x: Any, lead: tuple[str, ...]) -> Any:
+    """(…lead, L, D) → (B, H, L, D), as a view."""
+    if lead == ():
+        return x[None, None]
+    if lead == ("batch",):
+        return x[:, None]
+    if lead == ("head",):
+        return x[None]
+    return x
+
+
+def _three(x: Any, lead: tuple[str, ...]) -> Any:
+    """(B, H, L, D) → the caller's layout (the inverse of :func:`_four`)."""
+    if lead == ():
+        return x[0, 0]
+    if lead == ("batch",):
+        return x[:, 0]
+    if lead == ("head",):
+        return x[0]
+    return x
+
+
+def _four_mask(x: Any, call: Call) -> Any:
+    """A mask or bias array broadcastable to (…lead, Lq, Lk) → to (B, H, Lq, Lk)."""
+    if x is None or isinstance(x, Mask):
+        return x
+    ndim = len(call.lead) + 2
+    x = x.reshape((1,) * (ndim - x.ndim) + tuple(x.shape))
+    return _four(x, call.lead)

@@ -1,0 +1,430 @@
+"""The public ``scaled_dot_product_attention``: check the inputs, pick a backend, say why.
+
+The backends (``_backends.py``) share one signature and sit in a registry,
+:data:`~qkv.attention._backends.BACKENDS`. ``backend="auto"`` takes the first that fits: the
+reference for NumPy, for weights and for a trace that fits in memory; SDPA when it runs the
+call without a large dense mask; else the tiled kernel. :func:`explain_dispatch` returns the
+choice with the reason of every refusal.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from qkv._array import Array, as_array, library, namespace
+from qkv.attention import _checks
+from qkv.attention._backends import BACKENDS, BackendName, Call
+from qkv.attention._long_trace import record_partial
+from qkv.attention._sdpa import default_lead_axes
+from qkv.masks import Alignment, Mask, ScoreMod, draw_seed
+from qkv.trace import Trace, resolve
+
+__all__ = [
+    "BACKENDS",
+    "Dispatch",
+    "choose",
+    "decide",
+    "dispatch_of_trace",
+    "explain_dispatch",
+    "run_call",
+    "scaled_dot_product_attention",
+]
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """The backend chosen for a call and why: what :func:`explain_dispatch` returns.
+
+    Attributes:
+        backend: the backend that runs.
+        requested: what was asked (``"auto"`` or a backend's name).
+        reasons: (backend, why it runs or why not), one per registered backend.
+        notes: other facts of the run (a partial trace, the NaN check of SDPA, ...).
+    """
+
+    backend: str
+    requested: str
+    reasons: tuple[tuple[str, str], ...]
+    notes: tuple[str, ...] = field(default=())
+
+    def __str__(self) -> str:
+        """A short report that fits 80 columns."""
+        lines = [f"backend: {self.backend} (asked: {self.requested})"]
+        for name, why in self.reasons:
+            mark = "→" if name == self.backend else " "
+            lines += textwrap.wrap(
+                why, 78, initial_indent=f" {mark} {name:<9} ", subsequent_indent=" " * 13
+            )
+        for note in self.notes:
+            lines += textwrap.wrap(note, 78, initial_indent="   note: ", subsequent_indent=" " * 9)
+        return "\n".join(lines)
+
+
+# -- choosing ------------------------------------------------------------------------------
+
+
+class _Refusals(dict[str, str | None]):
+    """Each backend's refusal of a call, asked only when needed (auto looks no further than
+    its first choice)."""
+
+    def __init__(self, call: Call, auto: bool) -> None:
+        super().__init__()
+        self.call, self.auto = call, auto
+
+    def __missing__(self, name: str) -> str | None:
+        why = BACKENDS[name].refusal(self.call, self.auto)
+        self[name] = why
+        return why
+
+
+def choose(call: Call, requested: str) -> str:
+    """The backend that runs ``call``: the one requested (if it can), or auto's choice."""
+    if requested == "auto":
+        return _auto(call, _Refusals(call, auto=True))[0]
+    if requested not in BACKENDS:
+        raise ValueError(
+            f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {requested!r}. "
+            "Hint: 'auto' picks the fastest one that can run the call."
+        )
+    why = BACKENDS[requested].refusal(call, False)
+    if why is not None:
+        raise ValueError(
+            f"backend={requested!r} cannot run this call: {why}. Hint: backend='auto' "
+            "picks one that can; qkv.explain_dispatch(...) shows why each is refused."
+        )
+    return requested
+
+
+def decide(call: Call, requested: str) -> Dispatch:
+    """The backend for ``call``, as :func:`choose` picks it, with every backend's reason."""
+    chosen = choose(call, requested)
+    reasons: dict[str, str] = {}
+    if requested != "auto":
+        for name, backend in BACKENDS.items():
+            why = backend.refusal(call, False)
+            reasons[name] = "asked for" if name == chosen else _refused_or_not(why)
+    else:
+        refusals = _Refusals(call, auto=True)
+        why_chosen = _auto(call, refusals)[1]
+        for name in BACKENDS:
+            if name == chosen:
+                reasons[name] = why_chosen
+            elif refusals[name] is not None:
+                reasons[name] = f"refused: {refusals[name]}"
+            else:
+                reasons[name] = "could run; " + _passed_over(name, chosen)
+    notes = []
+    if chosen != "reference" and call.trace is not None:
+        notes.append(_trace_note(call))
+    if chosen == "sdpa" and (call.masked or call.bias is not None):
+        notes.append("sdpa's output is checked for NaN/inf; if any, the tiled kernel redoes it")
+    ordered = tuple((name, reasons[name]) for name in BACKENDS)
+    return Dispatch(chosen, requested, ordered, tuple(notes))
+
+
+def _auto(call: Call, refusals: dict[str, str | None]) -> tuple[str, str]:
+    if not call.torch:
+        return "reference", "NumPy inputs: the reference runs them"
+    if call.return_weights:
+        if refusals["reference"] is not None:
+            raise MemoryError(
+                f"return_weights=True: the weights {refusals['reference']}. Hint: record a "
+                "few heads and query rows instead with qkv.tracing(heads=..., queries=...)."
+            )
+        return "reference", "the weights are asked for: only the reference forms them"
+    if call.trace is not None and refusals["reference"] is None:
+        return "reference", "a trace is recorded: the reference forms every step"
+    for name in ("sdpa", "tiled"):
+        if refusals[name] is None:
+            return name, _why_fast(call, name)
+    if refusals["reference"] is None:
+        return "reference", "the fast backends refuse this call"
+    raise ValueError(
+        "no backend can run this call: "
+        + "; ".join(f"{n}: {refusals[n]}" for n in BACKENDS if refusals[n])
+    )
+
+
+def _why_fast(call: Call, name: str) -> str:
+    if name == "sdpa":
+        return "fused kernel; runs this call without a large dense mask"
+    if isinstance(call.mask, Mask) and call.mask.knows_blocks:
+        return "structured mask: empty blocks are skipped, no (Lq, Lk) array"
+    return "runs in O(L) memory, evaluating masks block by block"
+
+
+def _passed_over(name: str, chosen: str) -> str:
+    order = ["reference", "sdpa", "tiled"]
+    if name == "reference":
+        return "but forms every (Lq, Lk) step"
+    return f"{chosen} comes first" if order.index(name) > order.index(chosen) else "not needed"
+
+
+def _refused_or_not(why: str | None) -> str:
+    return "could run" if why is None else f"refused: {why}"
+
+
+def _trace_note(call: Call) -> str:
+    return (
+        "trace: Q, K, V and context are recorded whole; the (Lq, Lk) steps only for the "
+        "selected heads and query rows, by the reference"
+    )
+
+
+# -- the public function -------------------------------------------------------------------
+
+
+def scaled_dot_product_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    mask: Array | Mask | None = None,
+    bias: Array | None = None,
+    score_mod: ScoreMod | Callable[..., Any] | None = None,
+    is_causal: bool = False,
+    causal_alignment: Alignment = "top-left",
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    dropout_p: float = 0.0,
+    generator: Any = None,
+    return_weights: bool = False,
+    trace: Trace | None = None,
+    backend: BackendName = "auto",
+) -> Any:
+    """Attention(Q, K, V) = softmax(Q·Kᵀ · scale + bias, masked) · V.
+
+    Every backend computes the same function as the readable reference
+    (:func:`qkv.attention.reference_attention`, tested in float64 against each of them).
+    NumPy arrays give NumPy results, PyTorch tensors give tensors on the same device and
+    dtype; float16 and bfloat16 are computed in float32.
+
+    Args:
+        query: (..., H, Lq, D), or (Lq, D) for a single head.
+        key: (..., Hkv, Lk, D).
+        value: (..., Hkv, Lk, Dv).
+        mask: boolean, **True = may attend**, broadcastable to (..., H, Lq, Lk); or a
+            :class:`qkv.masks.Mask`. A query with no allowed key gets zero weights and a zero
+            context vector.
+        bias: added to the scaled scores, broadcastable to (..., H, Lq, Lk) (e.g. ALiBi).
+        score_mod: a :class:`qkv.masks.ScoreMod` (``masks.alibi(H)``, ``masks.softcap(c)``)
+            or a function ``(score, b, h, q_idx, kv_idx) -> score``, applied after the bias
+            and before the mask.
+        is_causal: query i attends only keys j ≤ i (combined with ``mask`` if both are given).
+        causal_alignment: ``"top-left"`` or ``"bottom-right"`` (for Lq < Lk, as in decoding
+            with a KV cache; the last query sees every key).
+        scale: multiplies the scores; default 1/√D. ``scale=1.0`` means no scaling.
+        enable_gqa: allow H > Hkv (grouped-query attention): query head h uses key/value
+            head h // (H / Hkv).
+        dropout_p: probability of dropping an attention weight (training only).
+        generator: random source for dropout: a ``numpy.random.Generator``, a
+            ``torch.Generator`` or an int seed. One seed is drawn per call and the dropped
+            weights follow :func:`qkv.masks.dropout_keep`, the same on every backend.
+        return_weights: also return the attention weights (before dropout).
+        trace: record every step into this :class:`qkv.Trace` (default: the enclosing
+            :func:`qkv.tracing` block, if any). When the (Lq, Lk) steps would not fit in
+            memory, only the trace's selected heads and query rows are recorded (a
+            warning says which).
+        backend: ``"auto"`` (default), ``"reference"``, ``"sdpa"`` (PyTorch's fused kernel)
+            or ``"tiled"`` (qkv's O(L)-memory kernel); see :func:`qkv.explain_dispatch`.
+
+    Returns:
+        context (..., H, Lq, Dv); with ``return_weights``, ``(context, weights)`` with
+        weights (..., H, Lq, Lk).
+
+    Raises:
+        ValueError, TypeError: on shapes, dtypes or options that do not fit, naming the
+            argument, what was expected and what came; a backend that cannot run the call.
+
+    Example:
+        >>> import numpy as np
+        >>> q = np.array([[0.0, 2 ** 0.5]])              # one query, d_k = 2
+        >>> k = np.array([[0.0, 0.0], [0.0, 1.0]])       # two keys: q·k = 0 and √2
+        >>> v = np.array([[1.0, 0.0], [0.0, 1.0]])
+        >>> context, weights = scaled_dot_product_attention(q, k, v, return_weights=True)
+        >>> weights                                       # [1, e] / (1 + e)
+        array([[0.26894142, 0.73105858]])
+        >>> context
+        array([[0.26894142, 0.73105858]])
+    """
+    call = make_call(
+        query,
+        key,
+        value,
+        mask=mask,
+        bias=bias,
+        score_mod=score_mod,
+        is_causal=is_causal,
+        causal_alignment=causal_alignment,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        dropout_p=dropout_p,
+        generator=generator,
+        return_weights=return_weights,
+        trace=trace,
+    )
+    context, weights = run_call(call, backend)
+    return (context, weights) if return_weights else context
+
+
+def make_call(
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    mask: Array | Mask | None = None,
+    bias: Array | None = None,
+    score_mod: ScoreMod | Callable[..., Any] | None = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top-left",
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    dropout_p: float = 0.0,
+    generator: Any = None,
+    return_weights: bool = False,
+    trace: Trace | None = None,
+) -> Call:
+    """Check the arguments of :func:`scaled_dot_product_attention` and bundle them."""
+    query, key, value = (
+        as_array(a, n) for a, n in ((query, "query"), (key, "key"), (value, "value"))
+    )
+    xp = namespace([("query", query), ("key", key), ("value", value)])
+    _checks.check_qkv(query, key, value, enable_gqa=enable_gqa)
+    return checked_call(
+        xp,
+        query,
+        key,
+        value,
+        lead=default_lead_axes(query.ndim, enable_gqa=enable_gqa),
+        mask=mask,
+        bias=bias,
+        score_mod=score_mod,
+        is_causal=is_causal,
+        causal_alignment=causal_alignment,
+        scale=scale,
+        dropout_p=dropout_p,
+        generator=generator,
+        return_weights=return_weights,
+        trace=resolve(trace),
+    )
+
+
+def checked_call(
+    xp: Any,
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    lead: tuple[str, ...],
+    mask: Array | Mask | None,
+    bias: Array | None,
+    score_mod: ScoreMod | Callable[..., Any] | None,
+    is_causal: bool,
+    causal_alignment: str,
+    scale: float | None,
+    dropout_p: float,
+    generator: Any,
+    return_weights: bool,
+    trace: Trace | None,
+    formulas: dict[str, str] | None = None,
+    squeeze_heads: bool = False,
+) -> Call:
+    """A :class:`Call` from checked query, key, value: checks the options, mask and bias."""
+    _checks.check_options(scale, dropout_p, causal_alignment)
+    scores_shape = (*query.shape[:-2], query.shape[-2], key.shape[-2])
+    _checks.check_mask(mask, query, scores_shape)
+    bias = None if bias is None else as_array(bias, "bias")
+    _checks.check_bias(bias, query, scores_shape)
+    score = _checks.check_score_mod(score_mod)
+    seed = None
+    if dropout_p > 0:
+        seed = draw_seed(generator, torch_inputs=library(query) == "torch")
+    return Call(
+        xp=xp,
+        query=query,
+        key=key,
+        value=value,
+        lead=lead,
+        mask=mask,
+        bias=bias,
+        score_mod=score,
+        is_causal=bool(is_causal),
+        causal_alignment=causal_alignment,
+        scale=scale,
+        dropout_p=float(dropout_p),
+        generator=seed,
+        return_weights=return_weights,
+        trace=trace,
+        formulas=formulas,
+        squeeze_heads=squeeze_heads,
+    )
+
+
+def run_call(call: Call, backend: str = "auto") -> tuple[Array, Array | None]:
+    """Run a checked call on the backend chosen for it; returns (context, weights or None).
+
+    A fast backend computes the context; a trace then gets its (Lq, Lk) steps from the
+    reference, on the selected heads and query rows (:func:`record_partial`).
+    """
+    chosen = choose(call, backend)
+    if chosen == "reference" or call.trace is None:
+        return BACKENDS[chosen].run(call)
+    context, _ = BACKENDS[chosen].run(replace(call, trace=None))
+    record_partial(call, call.trace, context)
+    return context, None
+
+
+def dispatch_of_trace(trace: Trace) -> Dispatch:
+    """The backend choice for the attention call a trace recorded (its Q, K, V steps and
+    options), as :func:`explain_dispatch` reports it.
+
+    Example:
+        >>> import numpy as np, qkv
+        >>> with qkv.tracing() as t:
+        ...     _ = qkv.scaled_dot_product_attention(np.eye(2), np.eye(2), np.eye(2))
+        >>> dispatch_of_trace(t).backend
+        'reference'
+    """
+    q, k, v = (trace[name].value for name in ("Q", "K", "V"))
+    gqa = q.ndim >= 3 and q.shape[-3] != k.shape[-3]
+    return explain_dispatch(
+        q,
+        k,
+        v,
+        is_causal=bool(trace.meta.get("causal")),
+        causal_alignment=trace.meta.get("causal_alignment", "top-left"),
+        enable_gqa=gqa,
+        trace=trace,
+    )
+
+
+def explain_dispatch(
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    backend: BackendName = "auto",
+    **options: Any,
+) -> Dispatch:
+    """Which backend :func:`scaled_dot_product_attention` would run for these arguments, and
+    why each of the others was refused or passed over. Nothing is computed.
+
+    Takes the arguments of :func:`scaled_dot_product_attention`; print the result for a
+    short report.
+
+    Example:
+        >>> import numpy as np
+        >>> q = np.ones((4, 8))
+        >>> print(explain_dispatch(q, q, q))
+        backend: reference (asked: auto)
+         → reference NumPy inputs: the reference runs them
+           sdpa      refused: needs PyTorch tensors; these are NumPy arrays
+           tiled     refused: needs PyTorch tensors; these are NumPy arrays
+    """
+    generator = options.pop("generator", None)
+    dropout = options.get("dropout_p", 0.0)
+    call = make_call(query, key, value, generator=0 if dropout else generator, **options)
+    return decide(call, backend)

@@ -1,0 +1,88 @@
+"""What the text and Markdown reports share: titles, column labels, marks and the summary."""
+
+from __future__ import annotations
+
+from qkv.check._report import Finding, Report
+from qkv.check._words import NOUNS
+from qkv.render import TITLES
+
+__all__ = ["SYMBOLS", "columns", "heading", "status_line", "summary"]
+
+SYMBOLS = {"ok": "✓", "mismatch": "✗", "consequential": "↳", "note": "~"}
+"""The symbol of each status, at the start of a finding."""
+MARKS = {"ok": "", "rounding": "~", "wrong": "✗"}
+"""The mark after a printed number: wrong, or off by a rounding."""
+_MAX_LABEL = 12
+
+
+def heading(step: str) -> str:
+    """``Q · Query vectors``."""
+    return f"{step} · {TITLES[step]}"
+
+
+def token_label(finding: Finding, report: Report) -> str:
+    """The token, with its position when it appears more than once."""
+    if report.tokens.count(finding.token) > 1:
+        return f"{finding.token} ({finding.position})"
+    return finding.token
+
+
+def _short(label: str) -> str:
+    return label if len(label) <= _MAX_LABEL else label[: _MAX_LABEL - 1] + "…"
+
+
+def columns(finding: Finding, report: Report) -> list[str]:
+    """Column labels: the keys (tokens) of a score row, else d1, d2, ..."""
+    if finding.step in ("scores", "scaled", "weights"):
+        return [_short(token) for token in report.tokens]
+    return [f"d{i + 1}" for i in range(len(finding.claimed))]
+
+
+def status_line(finding: Finding, report: Report) -> str:
+    """``love · mismatch: arithmetic · line 28`` (without the symbol)."""
+    parts = [token_label(finding, report)]
+    if finding.status == "mismatch":
+        parts.append(f"mismatch: {finding.diagnosis}")
+    elif finding.status == "note":
+        parts.append(f"note: {finding.diagnosis}")
+    elif finding.status == "consequential" and finding.cause is not None:
+        step, position = finding.cause
+        parts.append(f"consequential, follows from {step} of {report.tokens[position]}")
+    else:
+        parts.append(finding.status)
+    if finding.line is not None:
+        parts.append(f"line {finding.line}")
+    return " · ".join(parts)
+
+
+def summary(report: Report) -> list[str]:
+    """The verdict in one to three sentences."""
+    counts = report.counts()
+    total = len(report.findings)
+    if total == 0:
+        return [
+            "Nothing to check: the example claims no numbers. Add the numbers a text printed "
+            "under 'claimed:' (see docs/example-format.md)."
+        ]
+    notes = counts["note"]
+    noted = f"; {notes} rounding note{'s' * (notes != 1)}" if notes else ""
+    if report.ok:
+        rows = "row matches" if total == 1 else f"{total} claimed rows match"
+        return [f"✓ {'The claimed ' + rows if total == 1 else 'All ' + rows}{noted}."]
+    wrong = counts["mismatch"] + counts["consequential"]
+    codes: dict[str, int] = {}
+    for f in report.findings:
+        if f.status == "mismatch" and f.diagnosis:
+            codes[f.diagnosis] = codes.get(f.diagnosis, 0) + 1
+    listed = ", ".join(f"{code} {n}" for code, n in codes.items())
+    mistakes = f"{counts['mismatch']} mistake{'s' * (counts['mismatch'] != 1)} ({listed})"
+    follow = ""
+    if counts["consequential"]:
+        follow = f", {counts['consequential']} following from earlier mistakes"
+    lines = [f"✗ {wrong} of {total} claimed rows are wrong: {mistakes}{follow}{noted}."]
+    first = report.first_wrong
+    if first is not None:
+        where = f" (line {first.line})" if first.line is not None else ""
+        noun = NOUNS[first.step][0]
+        lines.append(f'First wrong step: {first.step}, the {noun} of "{first.token}"{where}.')
+    return lines

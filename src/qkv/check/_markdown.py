@@ -1,0 +1,59 @@
+"""The Markdown report: a section per claimed step, a table of printed vs correct numbers."""
+
+from __future__ import annotations
+
+from qkv.check._layout import MARKS, SYMBOLS, columns, heading, status_line, summary
+from qkv.check._report import Finding, Report
+from qkv.render._format import markdown_escape, number
+
+__all__ = ["markdown"]
+
+
+def markdown(report: Report) -> str:
+    """The report as GitHub-flavoured Markdown (tokens and messages escaped).
+
+    Example:
+        >>> from qkv.check import check
+        >>> md = markdown(check("i-love-statistics"))
+        >>> md.splitlines()[0]
+        '# qkv check: I love statistics'
+        >>> "## Q · Query vectors (first wrong step)" in md
+        True
+    """
+    out = [f"# qkv check: {markdown_escape(report.name)}", ""]
+    if report.source:
+        out += [f"Source: {markdown_escape(report.source)}", ""]
+    out += [" ".join(markdown_escape(s) for s in summary(report)), ""]
+    first = report.first_wrong
+    step = None
+    for finding in report.findings:
+        if finding.step != step:
+            step = finding.step
+            mark = " (first wrong step)" if first is not None and first.step == step else ""
+            out += [f"## {markdown_escape(heading(step))}{mark}", ""]
+        out += _finding(finding, report)
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def _finding(finding: Finding, report: Report) -> list[str]:
+    head = f"**{SYMBOLS[finding.status]} {markdown_escape(status_line(finding, report))}**"
+    if finding.status == "ok":
+        return [f"{head}: [{', '.join(finding.printed)}]", ""]
+    labels = columns(finding, report)
+    printed = []
+    for text, mark in zip(finding.printed, finding.marks, strict=True):
+        symbol = MARKS.get(mark, "")
+        printed.append(f"**{text}** {symbol}" if symbol else text)
+    correct = [number(v, finding.decimals) for v in finding.expected]
+    lines = [
+        head,
+        "",
+        "| | " + " | ".join(markdown_escape(label) for label in labels) + " |",
+        "|:--" + "|--:" * len(labels) + "|",
+        "| printed | " + " | ".join(printed) + " |",
+        "| correct | " + " | ".join(correct) + " |",
+        "",
+        markdown_escape(finding.message),
+        "",
+    ]
+    return lines

@@ -1,0 +1,378 @@
+"""The messages of a check, in the seeds' words: what went wrong and what the step should be."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+from qkv.check._diagnose import Candidate
+from qkv.check._pipeline import (
+    NOT_SUMMED,
+    SCALED_BY_DK,
+    SWAPPED,
+    TRANSPOSED,
+    UNSCALED,
+    WRONG_AXIS,
+    WRONG_QUERY,
+    Setup,
+    Values,
+    row_of,
+)
+from qkv.examples._model import decimals_of
+from qkv.render._format import number
+
+__all__ = ["Words"]
+
+NOUNS = {
+    "Q": ("query vector", "query vectors"),
+    "K": ("key vector", "key vectors"),
+    "V": ("value vector", "value vectors"),
+    "scores": ("attention scores", "attention scores"),
+    "scaled": ("scaled scores", "scaled scores"),
+    "weights": ("attention weights", "attention weights"),
+    "context": ("context vector", "context vectors"),
+    "output": ("output", "outputs"),
+}
+"""How a row of each step is called, for one token and for several."""
+
+_SUBJECTS = {
+    "Q": "This query vector comes",
+    "K": "This key vector comes",
+    "V": "This value vector comes",
+    "scores": "These scores come",
+    "scaled": "These scaled scores come",
+    "weights": "These weights come",
+    "context": "This context vector comes",
+    "output": "This output comes",
+}
+_INPUTS = {
+    "scores": ("Q", "K"),
+    "scaled": ("scores",),
+    "weights": ("scaled",),
+    "context": ("weights", "V"),
+    "output": ("context",),
+}
+_PLAIN_NAME = re.compile(r"[^\W\d][\w'-]{0,19}")
+_MAX_TERMS = 8  # a weighted sum with more terms is written Σ_j w_j·v_j
+
+
+def vector(values: Sequence[float] | np.ndarray, decimals: int) -> str:
+    """``[0.50, 0.80]``."""
+    return "[" + ", ".join(number(float(v), decimals) for v in values) + "]"
+
+
+def _before_period(sentence: str, insert: str) -> str:
+    """Put ``insert`` before the sentence's last period (or at its end)."""
+    if insert and sentence.endswith("."):
+        return sentence[:-1] + insert + "."
+    return sentence + insert
+
+
+def _and(items: Sequence[str]) -> str:
+    items = list(items)
+    if len(items) <= 1:
+        return "".join(items)
+    return ", ".join(items[:-1]) + " and " + items[-1]
+
+
+class Words:
+    """Sentences about the rows of one example.
+
+    Args:
+        tokens: the example's tokens.
+        setup: its inputs and options.
+        scale: the example's scale option (True, False or a number).
+        correct: the correct values of every step.
+        claimed_steps: the steps the example claims rows of.
+    """
+
+    def __init__(
+        self,
+        tokens: Sequence[str],
+        setup: Setup,
+        scale: bool | float,
+        correct: Values,
+        claimed_steps: Sequence[str],
+    ) -> None:
+        self.tokens = tuple(tokens)
+        self.setup = setup
+        self.scale = scale
+        self.correct = correct
+        self.claimed_steps = tuple(claimed_steps)
+
+    # -- names ---------------------------------------------------------------------------
+
+    def label(self, t: int) -> str:
+        """``"love"``, or ``"the" (position 4)`` for a token that appears more than once."""
+        token = self.tokens[t]
+        if self.tokens.count(token) > 1:
+            return f'"{token}" (position {t})'
+        return f'"{token}"'
+
+    def sub(self, t: int) -> str:
+        """The subscript of a token in a formula: ``love`` in q_love, or its position."""
+        token = self.tokens[t]
+        if self.tokens.count(token) == 1 and _PLAIN_NAME.fullmatch(token):
+            return token
+        return str(t)
+
+    def printed_inputs(self, step: str) -> list[str]:
+        """The claimed steps a step is computed from, nearest first (``["weights", "V"]``)."""
+        found: list[str] = []
+        for source in _INPUTS.get(step, ()):
+            if source in self.claimed_steps:
+                found.append(source)
+            else:
+                found += [s for s in self.printed_inputs(source) if s not in found]
+        return found
+
+    def from_printed(self, step: str) -> str:
+        """``"the printed attention weights and value vectors"``."""
+        nouns = [NOUNS[s][1] for s in self.printed_inputs(step)]
+        if len(nouns) > 1 and all(n.endswith(" vectors") for n in nouns):
+            return "the printed " + _and([n.removesuffix(" vectors") for n in nouns]) + " vectors"
+        return "the printed " + _and(nouns)
+
+    # -- the scaling ---------------------------------------------------------------------
+
+    def _sqrt_dk(self) -> str:
+        d_k = self.setup.d_k
+        root = math.sqrt(d_k)
+        if root.is_integer():
+            return f"√d_k = √{d_k} = {int(root)}"
+        return f"√d_k = √{d_k} ≈ {root:.4f}"
+
+    def proper_scaling(self) -> str:
+        """What this example does to the scores: ``dividing them by √d_k = √2 ≈ 1.4142``."""
+        if self.scale is True:
+            return f"dividing them by {self._sqrt_dk()}"
+        if self.scale is False:
+            return "leaving them as they are (this example does not scale the scores)"
+        return f"multiplying them by the scale {self.scale:g}"
+
+    # -- what a row should be ------------------------------------------------------------
+
+    def correct_line(self, step: str, t: int, decimals: int) -> str:
+        """What the row is, computed correctly, with its numbers."""
+        who, s = self.label(t), self.sub(t)
+        row = vector(row_of(self.correct, step, t), decimals)
+        if step in ("Q", "K", "V"):
+            letter = step.lower()
+            noun = NOUNS[step][0]
+            return (
+                f"The {noun} of {who} is its embedding times W_{letter}: "
+                f"{letter}_{s} = x_{s}·W_{letter} = {row}."
+            )
+        if step == "scores":
+            return (
+                f"The attention scores of {who} are the dot products of its query vector with "
+                f"every key vector, q_{s}·k_j: {row}."
+            )
+        if step == "scaled":
+            if self.scale is True:
+                how = f"divided by {self._sqrt_dk()}"
+            elif self.scale is False:
+                how = "unchanged (this example does not scale the scores)"
+            else:
+                how = f"multiplied by the scale {self.scale:g}"
+            return f"The scaled scores of {who} are its scores {how}: {row}."
+        if step == "weights":
+            masked = " (keys after it get weight 0)" if self.setup.causal else ""
+            return (
+                f"The attention weights of {who} are the softmax of its scaled scores along "
+                f"the row (over the keys){masked}, so they sum to 1: {row}."
+            )
+        if step == "context":
+            return f"The context vector of {who} is {self._weighted_sum(t, decimals)}."
+        if self.setup.W_o is None:
+            return f"The output of {who} is its context vector (this example has no W_o): {row}."
+        return (
+            f"The output of {who} is its context vector (all heads side by side) times W_o: {row}."
+        )
+
+    def _weighted_sum(self, t: int, decimals: int) -> str:
+        row = vector(row_of(self.correct, "context", t), decimals)
+        if self.setup.heads > 1:
+            return (
+                "in each head the weighted sum of that head's value vectors, the heads side by "
+                f"side: {row}"
+            )
+        weights = self.correct["weights"][0, t]
+        terms = [f"{number(float(w), 4)}·v_{self.sub(j)}" for j, w in enumerate(weights) if w]
+        if len(terms) > _MAX_TERMS:
+            return f"the weighted sum of the value vectors, Σ_j w_j·v_j = {row}"
+        return (
+            f"the weighted sum of the value vectors: c_{self.sub(t)} = {' + '.join(terms)} = {row}"
+        )
+
+    # -- what went wrong -----------------------------------------------------------------
+
+    def slip(self, step: str, t: int, candidate: Candidate, decimals: int) -> str:
+        """What the slip was, in plain words (the message starts with this)."""
+        printed = candidate.start == "claimed" and bool(self.printed_inputs(step))
+        if candidate.slip.code == NOT_SUMMED:
+            return self._not_summed(t, candidate, decimals, printed)
+        source = f" (from {self.from_printed(step)})" if printed else ""
+        return _before_period(self._at_slip(step, t, candidate), source)
+
+    def _slip_phrase(self, t: int, candidate: Candidate) -> str:
+        slip = candidate.slip
+        if slip.code == UNSCALED:
+            return f"scores that were not scaled: {self._left_out()}"
+        if slip.code == SCALED_BY_DK:
+            return f"scores divided by d_k = {self.setup.d_k}{self._instead_of_dk()}"
+        if slip.code == TRANSPOSED:
+            names = _and([f"{w}ᵀ" for w in slip.weights])
+            return f"{names} used instead of {_and(list(slip.weights))} (X·Wᵀ instead of X·W)"
+        if slip.code == WRONG_AXIS:
+            return (
+                "weights normalised over the queries (down each column) instead of over the "
+                "keys (along each row)"
+            )
+        if slip.code == SWAPPED:
+            return f"K·Qᵀ instead of Q·Kᵀ: scores of every query with the key of {self.label(t)}"
+        return (
+            f"the query vector of {self.label(slip.query)} used instead of that of {self.label(t)}"
+        )
+
+    def _instead_of_dk(self) -> str:
+        """What the scores should have been divided or multiplied by instead of 1/d_k."""
+        if self.scale is True:
+            return f" instead of by {self._sqrt_dk()}"
+        if self.scale is False:
+            return ", but this example does not scale the scores"
+        return f" instead of multiplied by the scale {self.scale:g}"
+
+    def _left_out(self) -> str:
+        if self.scale is True:
+            return f"the division by {self._sqrt_dk()} was left out"
+        return f"{self.proper_scaling()} was left out"
+
+    def _at_slip(self, step: str, t: int, candidate: Candidate) -> str:
+        """The slip said where it happens; in a later step, what the row comes from."""
+        slip = candidate.slip
+        who, s = self.label(t), self.sub(t)
+        if slip.code == UNSCALED and step == "scaled":
+            return f"These are the scores q_{s}·k_j themselves: {self._left_out()}."
+        if slip.code == UNSCALED and step == "weights":
+            return f"These weights are the softmax of unscaled scores: {self._left_out()}."
+        if slip.code == SCALED_BY_DK and step in ("scaled", "weights"):
+            what = (
+                "These scores were"
+                if step == "scaled"
+                else "These weights are the softmax of scores"
+            )
+            return f"{what} divided by d_k = {self.setup.d_k}{self._instead_of_dk()}."
+        if slip.code == TRANSPOSED and step in ("Q", "K", "V"):
+            letter = step.lower()
+            return (
+                f"This is x_{s}·W_{letter}ᵀ: W_{letter} was used transposed (the "
+                f"column-vector form {letter} = W·x mixed up with the row-vector form "
+                f"{letter} = x·W_{letter})."
+            )
+        if slip.code == WRONG_AXIS and step == "weights":
+            total = float(np.sum(row_of(candidate.values, "weights", t)))
+            return (
+                "The softmax was taken down each column (over the queries) instead of along "
+                f"the row (over the keys): this row sums to {number(total, 4)}, not 1."
+            )
+        if slip.code == SWAPPED and step == "scores":
+            return (
+                f"This row holds k_{s}·q_j, the scores of every query with the key of {who} "
+                "(a column of Q·Kᵀ): K·Qᵀ was computed instead of Q·Kᵀ."
+            )
+        if slip.code == WRONG_QUERY and step == "Q":
+            o = self.sub(slip.query)
+            return (
+                f"This is the query vector of {self.label(slip.query)}, x_{o}·W_q, not that "
+                f"of {who}."
+            )
+        return f"{_SUBJECTS[step]} from {self._slip_phrase(t, candidate)}."
+
+    def _not_summed(self, t: int, candidate: Candidate, decimals: int, printed: bool) -> str:
+        slip = candidate.slip
+        q, j = slip.query, slip.key
+        weight = number(float(candidate.values["weights"][0, q, j]), 4)
+        if self.setup.heads > 1:
+            term = f"w_{self.sub(j)}·v_{self.sub(j)} (in each head)"
+        else:
+            term = f"{weight}·v_{self.sub(j)}"
+        value = vector(candidate.value, decimals)
+        if printed:
+            value += " (with the printed weight and value vector)"
+        if j == t and q != t:
+            return (
+                f"This is {term} = {value}, the term of {self.label(j)} in the weighted sum "
+                f"of the query {self.label(q)}, not a context vector: a context vector adds "
+                "up the terms w_j·v_j of every key."
+            )
+        return (
+            f"This is only {term} = {value}, one term of the weighted sum of "
+            f"{self.label(q)}: a context vector adds up the terms w_j·v_j of every key."
+        )
+
+    def arithmetic(
+        self,
+        step: str,
+        printed: Sequence[str],
+        expected: np.ndarray,
+        marks: Sequence[str],
+        decimals: int,
+    ) -> str:
+        """The sentence of an arithmetic mistake, naming the wrong numbers."""
+        wrong = [i for i, m in enumerate(marks) if m == "wrong"]
+        near = [i for i, m in enumerate(marks) if m == "rounding"]
+        fixes = [f"{printed[i]} should be {number(float(expected[i]), decimals)}" for i in wrong]
+        if len(fixes) > 4:
+            detail = f"{len(wrong)} of {len(marks)} numbers are wrong"
+        else:
+            detail = "; ".join(fixes)
+        if near and len(near) <= 4:
+            offs = ", ".join(
+                f"{printed[i]} for {number(float(expected[i]), decimals)}" for i in near
+            )
+            detail += f"; off by one in the last digit: {offs}"
+        return f"No common slip gives these numbers: an arithmetic mistake ({detail})."
+
+    def not_from_printed(self, step: str, value: np.ndarray, decimals: int) -> str:
+        """``From the printed scores it would be [...], not what was printed either.``"""
+        return (
+            f"From {self.from_printed(step)} it would be {vector(value, decimals)}, not what "
+            "was printed either."
+        )
+
+    def weights_sum(self, claimed: np.ndarray, half: np.ndarray, decimals: int) -> str:
+        """A remark when printed weights do not sum to 1."""
+        total = float(np.sum(claimed))
+        if abs(total - 1.0) <= float(np.sum(half)) + 1e-9:
+            return ""
+        return f"The printed weights sum to {number(total, decimals)}, not 1."
+
+    def consequential(
+        self, step: str, causes: Sequence[tuple[str, int]], value: np.ndarray, p: int
+    ) -> str:
+        """The sentence of a correct step done on wrong numbers printed before it."""
+        by_step: dict[str, list[int]] = {}
+        for cause_step, row in causes:
+            by_step.setdefault(cause_step, []).append(row)
+        parts = []
+        for cause_step, rows in by_step.items():
+            singular, plural = NOUNS[cause_step]
+            noun = singular if len(rows) == 1 else plural
+            parts.append(f"the wrong {noun} of {_and([self.label(r) for r in rows])}")
+        return (
+            f"Follows from {_and(parts)}: this step, done right on {self.from_printed(step)}, "
+            f"gives {vector(value, p)}, as printed."
+        )
+
+    def rounding(self, printed: Sequence[str], expected: np.ndarray, marks: Sequence[str]) -> str:
+        """The sentence of a rounding note."""
+        near = [i for i, m in enumerate(marks) if m == "rounding"]
+        offs = ", ".join(
+            f"{printed[i]} for {number(float(expected[i]), decimals_of(printed[i]) + 2)}"
+            for i in near[:4]
+        )
+        return f"Off only beyond the printed digits ({offs}): a rounding note, not an error."

@@ -1,0 +1,27 @@
+"""PyTorch fast paths for attention: torch's fused SDPA, and the tiled O(L)-memory kernel.
+
+- :func:`tiled_attention`: the FlashAttention algorithm in plain PyTorch operations, forward
+  and backward (a custom ``torch.autograd.Function`` that keeps only q, k, v, the output and
+  the log-sum-exp), with GQA, bias, dropout, score modifiers and masks whose empty blocks are
+  skipped.
+- :func:`sdpa_attention`: ``torch.nn.functional.scaled_dot_product_attention`` given qkv's
+  masks and policies.
+
+Most code calls them through :func:`qkv.scaled_dot_product_attention` with
+``backend="tiled"``, ``"sdpa"`` or ``"auto"``, which checks the arguments and explains its
+choice (:func:`qkv.explain_dispatch`). This package needs PyTorch (``pip install
+'qkv[torch]'``).
+"""
+
+from qkv.kernels._api import as_score_mod, tiled_attention
+from qkv.kernels._blocks import BlockPlan, plan_blocks
+from qkv.kernels._sdpa import dense_mask_elements, sdpa_attention
+
+__all__ = [
+    "BlockPlan",
+    "as_score_mod",
+    "dense_mask_elements",
+    "plan_blocks",
+    "sdpa_attention",
+    "tiled_attention",
+]

@@ -1,0 +1,180 @@
+"""``tiled_attention``: the public entry of the tiled kernel, with its input checks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from qkv.kernels._blocks import plan_blocks
+from qkv.kernels._tiled import Problem, tiled_function
+from qkv.masks import Mask, ScoreMod, causal, draw_seed, dropout_keep, score_function
+
+__all__ = ["as_score_mod", "tiled_attention"]
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def tiled_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    mask: Mask | torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    score_mod: ScoreMod | Callable[..., Any] | None = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top-left",
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    generator: Any = None,
+    return_lse: bool = False,
+    block_q: int | None = None,
+    block_kv: int | None = None,
+    skip_blocks: bool = True,
+) -> Any:
+    """Exact attention in O(L) memory: the FlashAttention algorithm in PyTorch operations.
+
+    The same result as :func:`qkv.scaled_dot_product_attention` (which calls this kernel
+    with ``backend="tiled"``, after checking every argument), without ever holding the
+    (Lq, Lk) matrix: memory grows with Lq + Lk, not Lq · Lk. Gradients flow to query, key,
+    value and bias through a backward pass that recomputes each block.
+
+    Args:
+        query: (B, H, Lq, D). key: (B, Hkv, Lk, D). value: (B, Hkv, Lk, Dv). Hkv divides H
+            (grouped-query attention when smaller).
+        mask: a :class:`qkv.masks.Mask` (its block structure lets whole blocks be skipped),
+            or booleans broadcastable to (B, H, Lq, Lk), True = may attend.
+        bias: added to the scaled scores, broadcastable to (B, H, Lq, Lk).
+        score_mod: a :class:`qkv.masks.ScoreMod` or ``fn(score, b, h, q_idx, kv_idx)``,
+            applied after the bias and before the mask.
+        is_causal, causal_alignment, scale, dropout_p, generator: as in
+            :func:`qkv.scaled_dot_product_attention` (dropout follows
+            :func:`qkv.masks.dropout_keep`, the same weights as the reference drops).
+        return_lse: also return the log-sum-exp of each row's scaled scores, (B, H, Lq)
+            (−inf for a row with no allowed key).
+        block_q, block_kv: block sizes (default: chosen from the mask's block structure).
+        skip_blocks: False evaluates the mask on every block instead of skipping; the
+            result is the same to the bit.
+
+    Returns:
+        The context (B, H, Lq, Dv), in the dtype of query (float16 and bfloat16 are
+        computed in float32); with ``return_lse``, ``(context, lse)``.
+
+    Example:
+        >>> import torch
+        >>> from qkv import masks
+        >>> q, k, v = (torch.randn(1, 2, 300, 8) for _ in range(3))
+        >>> out = tiled_attention(q, k, v, mask=masks.sliding_window(16), block_q=64,
+        ...                       block_kv=64)
+        >>> expected = torch.nn.functional.scaled_dot_product_attention(
+        ...     q, k, v, attn_mask=masks.sliding_window(16).dense(300, 300, xp=torch))
+        >>> bool(torch.allclose(out, expected, atol=1e-5))
+        True
+    """
+    _check(query, key, value)
+    batch, heads, q_len, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    dtype = query.dtype
+    compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    q, k, v = (x.to(compute).contiguous() for x in (query, key, value))
+
+    rule = mask if isinstance(mask, Mask) else None
+    dense = None if mask is None or isinstance(mask, Mask) else _four_dims(mask, "mask")
+    if is_causal:
+        rule = causal(causal_alignment) if rule is None else rule & causal(causal_alignment)  # type: ignore[arg-type]
+    if bias is not None:
+        bias = _four_dims(bias, "bias")
+        bias = bias.to(compute) if bias.dtype != compute else bias
+    plan = plan_blocks(
+        rule,
+        batch=batch,
+        heads=heads,
+        q_len=q_len,
+        kv_len=kv_len,
+        heads_per_kv=heads // kv_heads,
+        block_q=block_q,
+        block_kv=block_kv,
+        skip=skip_blocks,
+        dense_mask=dense is not None,
+    )
+    keep = None
+    if dropout_p > 0:
+        keep = dropout_keep(dropout_p, draw_seed(generator, torch_inputs=True))
+    masked = rule is not None or dense is not None
+    exact = masked and (score_mod is not None or not _all_finite(q, k, bias))
+    problem = Problem(
+        scale=1.0 / math.sqrt(dim) if scale is None else float(scale),
+        rule=rule,
+        dense_mask=dense,
+        score_mod=as_score_mod(score_mod),
+        dropout_p=float(dropout_p),
+        keep=keep,
+        plan=plan,
+        skip=skip_blocks,
+        exact_masking=exact,
+    )
+    out, lse = tiled_function(q, k, v, bias, problem)
+    out = out.to(dtype)
+    return (out, lse) if return_lse else out
+
+
+def _all_finite(*tensors: torch.Tensor | None) -> bool:
+    """Whether every entry is finite (one pass over each; then masking by adding −inf is
+    exact, as a finite score plus −inf is −inf)."""
+    for t in tensors:
+        # A sum is finite when every entry is (one fast pass); if it overflows, look closer.
+        summed = math.inf if t is None else float(t.detach().sum())
+        if t is not None and not math.isfinite(summed) and not bool(torch.isfinite(t).all()):
+            return False
+    return True
+
+
+def as_score_mod(score_mod: ScoreMod | Callable[..., Any] | None) -> ScoreMod | None:
+    """A ScoreMod from a ScoreMod or a plain ``fn(score, b, h, q_idx, kv_idx)``."""
+    if score_mod is None or isinstance(score_mod, ScoreMod):
+        return score_mod
+    if callable(score_mod):
+        return score_function(score_mod)
+    raise TypeError(
+        f"score_mod must be a qkv.masks.ScoreMod or a function (score, b, h, q_idx, kv_idx) "
+        f"-> score, got {type(score_mod).__name__}. Hint: qkv.masks.softcap(30.0)."
+    )
+
+
+def _four_dims(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Add leading axes of size 1 (views) up to (B, H, Lq, Lk)."""
+    if x.ndim > 4:
+        raise ValueError(f"{name} must have at most 4 dimensions (B, H, Lq, Lk), got {x.ndim}")
+    return x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
+
+
+def _check(query: Any, key: Any, value: Any) -> None:
+    named = (("query", query), ("key", key), ("value", value))
+    for name, x in named:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"{name} must be a torch.Tensor for the tiled kernel, got {type(x).__name__}. "
+                "Hint: qkv.scaled_dot_product_attention runs NumPy arrays with the reference."
+            )
+        if x.ndim != 4 or x.dtype not in _FLOATS:
+            raise ValueError(
+                f"{name} must be a floating-point tensor of 4 dimensions (B, H, L, D), got "
+                f"{x.dtype} of shape {tuple(x.shape)}. Hint: qkv.scaled_dot_product_attention "
+                "takes other layouts and checks them."
+            )
+    if len({x.dtype for _, x in named}) > 1 or len({x.device for _, x in named}) > 1:
+        raise TypeError("query, key and value must share one dtype and one device")
+    (b, h, _, d), (bk, hkv, lk, dk), (bv, hv, lv, _) = query.shape, key.shape, value.shape
+    if d != dk or (bk, hkv, lk) != (bv, hv, lv):
+        raise ValueError(
+            f"shapes do not fit: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+            f"{tuple(value.shape)}. Hint: (B, H, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv)."
+        )
+    if b != bk or hkv == 0 or h % hkv:
+        raise ValueError(
+            f"query has {h} heads and batch {b}, key {hkv} heads and batch {bk}: the batch "
+            "must agree and Hkv must divide H (grouped-query attention)."
+        )

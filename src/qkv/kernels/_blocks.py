@@ -1,0 +1,147 @@
+"""The block plan of the tiled kernel: block sizes and which blocks of (Lq, Lk) to compute.
+
+The (Lq, Lk) score matrix of each head is cut into blocks of ``block_q`` queries by
+``block_kv`` keys. A mask with a block structure (:meth:`qkv.masks.Mask.blocks`) says which
+blocks are empty (skipped: they cost nothing), partial (the mask is evaluated on the block)
+or full (no mask evaluation). Without a structure every block is partial, and the kernel
+still skips a block whose evaluated mask turns out empty.
+
+The block sizes are chosen with a small cost model: each computed block costs its area
+(matrix products and the softmax's elementwise work) plus a fixed overhead (a dozen PyTorch
+calls), so a sparse mask (a sliding window, many short documents) gets smaller blocks that
+waste less area, a dense one larger blocks with fewer calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from qkv.masks import EMPTY, FULL, PARTIAL, Mask
+
+__all__ = ["BlockPlan", "plan_blocks"]
+
+DEFAULT_BLOCK = 256
+"""Queries and keys per block for dense and causal attention: 8 heads of 256 × 256 float32
+scores are 2 MiB, the matrix products run near their peak, and a 4096-token sequence makes
+16 query blocks to share among threads."""
+
+_CANDIDATES = (64, 128, 256)
+# The fixed cost of one block, in units of score elements (about a dozen PyTorch calls of
+# ~8 µs, against ~1 ns per score element for the products and the softmax), and the extra
+# cost of a partial block (the mask is evaluated and applied).
+_BLOCK_OVERHEAD = 100_000
+_PARTIAL_COST = 1.3
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """Block sizes and the kind of every block.
+
+    Attributes:
+        block_q, block_kv: queries and keys per block.
+        kinds: int8 (B or 1, nq, nk) of :data:`~qkv.masks.EMPTY`, :data:`~qkv.masks.PARTIAL`
+            and :data:`~qkv.masks.FULL`, already combined over heads (a block is empty only
+            when it is empty for every head). The batch axis has size B only when the
+            structure differs between batch elements.
+    """
+
+    block_q: int
+    block_kv: int
+    kinds: np.ndarray
+
+    @property
+    def per_batch(self) -> bool:
+        return bool(self.kinds.shape[0] > 1)
+
+    def computed(self) -> int:
+        """How many blocks are computed (not empty), summed over the batch axis."""
+        return int((self.kinds != EMPTY).sum())
+
+    def kinds_for(self, batch_index: int) -> np.ndarray:
+        """The (nq, nk) kinds for one batch element (or for all, when shared)."""
+        kinds: np.ndarray = self.kinds[batch_index if self.per_batch else 0]
+        return kinds
+
+
+def plan_blocks(
+    rule: Mask | None,
+    *,
+    batch: int,
+    heads: int,
+    q_len: int,
+    kv_len: int,
+    heads_per_kv: int = 1,
+    block_q: int | None = None,
+    block_kv: int | None = None,
+    skip: bool = True,
+    dense_mask: bool = False,
+) -> BlockPlan:
+    """Choose block sizes and find the kind of every block.
+
+    Args:
+        rule: the mask rule (the user's mask and the causal rule combined), None if none.
+        batch, heads, q_len, kv_len: B, H, Lq, Lk.
+        heads_per_kv: H / Hkv (the queries of a group go through one matrix product, so a
+            block holds this many times ``block_q`` rows).
+        block_q, block_kv: fixed sizes; None to choose.
+        skip: False to compute every block (the mask is then evaluated everywhere); the
+            result is bit-identical, only slower.
+        dense_mask: a boolean array is given as well: no block is known to be full.
+    """
+    if block_q is not None or block_kv is not None or rule is None or not rule.knows_blocks:
+        bq = block_q or _default_rows(heads_per_kv)
+        bk = block_kv or DEFAULT_BLOCK
+        args = (batch, heads, q_len, kv_len, min(bq, q_len), min(bk, kv_len), skip, dense_mask)
+        return _plan(rule, *args)
+    best: tuple[float, BlockPlan] | None = None
+    for size in _CANDIDATES:
+        bq, bk = min(_rows_for(size, heads_per_kv), q_len), min(size, kv_len)
+        plan = _plan(rule, batch, heads, q_len, kv_len, bq, bk, skip, dense_mask)
+        per_block = batch * heads * plan.block_q * plan.block_kv
+        full = int((plan.kinds == FULL).sum()) * (batch if not plan.per_batch else 1)
+        partial = int((plan.kinds == PARTIAL).sum()) * (batch if not plan.per_batch else 1)
+        cost = full * (per_block + _BLOCK_OVERHEAD) + partial * (
+            per_block * _PARTIAL_COST + _BLOCK_OVERHEAD
+        )
+        if best is None or cost < best[0]:
+            best = (cost, plan)
+    assert best is not None
+    return best[1]
+
+
+def _default_rows(heads_per_kv: int) -> int:
+    return _rows_for(DEFAULT_BLOCK, heads_per_kv)
+
+
+def _rows_for(size: int, heads_per_kv: int) -> int:
+    """Query positions per block: fewer when a GQA group stacks several heads' rows."""
+    return max(32, size // heads_per_kv)
+
+
+def _plan(
+    rule: Mask | None,
+    batch: int,
+    heads: int,
+    q_len: int,
+    kv_len: int,
+    block_q: int,
+    block_kv: int,
+    skip: bool,
+    dense_mask: bool,
+) -> BlockPlan:
+    nq, nk = -(-q_len // block_q), -(-kv_len // block_kv)
+    if rule is None:
+        kinds = np.full((1, nq, nk), FULL, dtype=np.int8)
+    else:
+        per_head = rule.blocks(q_len, kv_len, block_q, block_kv, batch=batch, heads=heads)
+        low, high = per_head.min(axis=1), per_head.max(axis=1)  # over heads
+        kinds = np.where(low == high, low, PARTIAL).astype(np.int8)  # (B or 1, nq, nk)
+        if kinds.shape[0] > 1 and (kinds == kinds[:1]).all():
+            kinds = kinds[:1]
+        if not skip:  # evaluate the mask on every block
+            kinds = np.full_like(kinds, PARTIAL)
+    if dense_mask:  # the array may mask any block: evaluate it on every one
+        kinds = np.where(kinds == FULL, PARTIAL, kinds).astype(np.int8)
+    return BlockPlan(block_q, block_kv, np.ascontiguousarray(kinds))

@@ -1,0 +1,380 @@
+"""The pieces of the tiled kernel shared by its forward and backward passes: the problem,
+the layout of blocks, and the scores of one block (scaled, biased, modified, masked).
+
+Layout (one matrix product serves every head of the batch, and the query heads that share a
+key/value head, GQA, are stacked along the rows):
+
+    query (B, H, Lq, D) → block (B·Hkv, G·bq, D)        G = H / Hkv
+    key   (B, Hkv, Lk, D) → block (B·Hkv, bk, D)
+    scores block (B·Hkv, G·bq, bk) = a view (B, H, bq, bk) for masks and score modifiers
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import array_api_compat.torch as torch_xp
+import torch
+
+from qkv.kernels._blocks import BlockPlan
+from qkv.masks import EMPTY, FULL, Mask, ScoreMod
+
+NEG_INF = float("-inf")
+LOG2E = 1.0 / math.log(2.0)
+LN2 = math.log(2.0)
+EXP_FLOOR = -80.0
+"""Scores more than 80 below their row's maximum are raised to it before exp (see
+:meth:`BlockScores.exp_`)."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything about one call of the kernel except the tensors.
+
+    Attributes:
+        scale: multiplies the scores.
+        rule: the mask rule (the user's Mask combined with the causal rule), or None.
+        dense_mask: a boolean tensor of 4 dimensions that broadcasts to (B, H, Lq, Lk), or
+            None.
+        score_mod: applied to the scaled scores (after the bias, before the mask).
+        dropout_p: the dropout probability.
+        keep: the dropout pattern (:func:`qkv.masks.dropout_keep`), None without dropout.
+        plan: the block sizes and kinds.
+        skip: skip blocks whose evaluated mask is empty (False only to test that skipping
+            changes nothing).
+        exact_masking: replace masked scores by −inf (``masked_fill``), needed when a
+            masked score may be NaN or ±inf (non-finite query, key or bias, or a score
+            modifier); otherwise a 0/−inf block is added, which is many times faster.
+    """
+
+    scale: float
+    rule: Mask | None
+    dense_mask: torch.Tensor | None
+    score_mod: ScoreMod | None
+    dropout_p: float
+    keep: Mask | None
+    plan: BlockPlan
+    skip: bool = True
+    exact_masking: bool = False
+
+    @property
+    def base2(self) -> bool:
+        """Scores are kept in units of log2 (multiplied by log2 e) and exponentiated with
+        exp2, about twice as fast as exp on CPUs; not with a score modifier, which sees
+        the scores in their own units."""
+        return self.score_mod is None
+
+    @property
+    def units(self) -> float:
+        """What the scores are multiplied by: log2 e, or 1."""
+        return LOG2E if self.base2 else 1.0
+
+    @property
+    def masked(self) -> bool:
+        return self.rule is not None or self.dense_mask is not None
+
+
+class Buffers:
+    """Reusable score buffers, one per shape (a fresh 8 MiB tensor per block costs page
+    faults)."""
+
+    def __init__(self) -> None:
+        self._store: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def get(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        key = (shape, like.dtype, like.device)
+        buffer = self._store.get(key)
+        if buffer is None:
+            buffer = torch.empty(shape, dtype=like.dtype, device=like.device)
+            self._store[key] = buffer
+        return buffer
+
+
+@dataclass
+class Group:
+    """The tensors of one group of batch elements (all of them, unless the block structure
+    differs between batch elements)."""
+
+    start: int  # first batch element
+    q: torch.Tensor  # (Bg, H, Lq, D)
+    k: torch.Tensor  # (Bg, Hkv, Lk, D)
+    v: torch.Tensor  # (Bg, Hkv, Lk, Dv)
+    bias: torch.Tensor | None  # broadcasts to (Bg, H, Lq, Lk)
+    mask: torch.Tensor | None  # broadcasts to (Bg, H, Lq, Lk)
+    kinds: Any  # (nq, nk) numpy int8
+    views: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:  # Bg · Hkv: the batch of the matrix products
+        return int(self.k.shape[0] * self.k.shape[1])
+
+    def keys_t(self, k0: int, k1: int) -> torch.Tensor:
+        """The key block transposed, (Bg·Hkv, D, bk): a view, made once per call."""
+        found = self.views.get((0, k0))
+        if found is None:  # two threads may both make it: the same view, no harm
+            found = kv_block(self.k, k0, k1).transpose(1, 2)
+            self.views[(0, k0)] = found
+        return found
+
+    def values(self, v: torch.Tensor, k0: int, k1: int) -> torch.Tensor:
+        """The block of ``v`` (the values, or their cleaned copy), (Bg·Hkv, bk, Dv)."""
+        found = self.views.get((id(v), k0))
+        if found is None:
+            found = kv_block(v, k0, k1)
+            self.views[(id(v), k0)] = found
+        return found
+
+
+class Indices:
+    """The index arrays a mask or score rule sees for one block: b, h, q_idx, kv_idx."""
+
+    def __init__(self, group: Group, heads: int, q_len: int, kv_len: int) -> None:
+        device = group.q.device
+        batch = group.q.shape[0]
+        self.b = torch.arange(group.start, group.start + batch, device=device).view(-1, 1, 1, 1)
+        self.h = torch.arange(heads, device=device).view(1, -1, 1, 1)
+        self._q = torch.arange(q_len, device=device)
+        self._kv = torch.arange(kv_len, device=device)
+        self.q_len, self.kv_len = q_len, kv_len
+
+    def at(self, q0: int, q1: int, k0: int, k1: int) -> tuple[torch.Tensor, ...]:
+        return (
+            self.b,
+            self.h,
+            self._q[q0:q1].view(1, 1, -1, 1),
+            self._kv[k0:k1].view(1, 1, 1, -1),
+        )
+
+
+def split_groups(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    problem: Problem,
+) -> list[Group]:
+    """One group for the whole batch, or one per batch element when their blocks differ."""
+    plan = problem.plan
+    lq, lk = q.shape[2], k.shape[2]
+    bias = None if bias is None else bias.expand(*bias.shape[:2], lq, lk)
+    mask = problem.dense_mask
+    mask = None if mask is None else mask.expand(*mask.shape[:2], lq, lk)
+    if not plan.per_batch:
+        return [Group(0, q, k, v, bias, mask, plan.kinds_for(0))]
+
+    def pick(x: torch.Tensor | None, b: int) -> torch.Tensor | None:
+        return None if x is None else (x[b : b + 1] if x.shape[0] > 1 else x)
+
+    return [
+        Group(
+            b,
+            q[b : b + 1],
+            k[b : b + 1],
+            v[b : b + 1],
+            pick(bias, b),
+            pick(mask, b),
+            plan.kinds_for(b),
+        )
+        for b in range(q.shape[0])
+    ]
+
+
+def query_block(q: torch.Tensor, kv_heads: int, q0: int, q1: int, scale: float) -> torch.Tensor:
+    """(Bg, H, Lq, D) → the scaled block (Bg·Hkv, G·bq, D)."""
+    batch, heads, _, dim = q.shape
+    grouped = q.view(batch, kv_heads, heads // kv_heads, q.shape[2], dim)[:, :, :, q0:q1]
+    return torch.mul(grouped, scale).view(batch * kv_heads, -1, dim)
+
+
+def row_block(x: torch.Tensor, kv_heads: int, q0: int, q1: int) -> torch.Tensor:
+    """(Bg, H, Lq, E) → the block (Bg·Hkv, G·bq, E), contiguous (for per-row statistics)."""
+    batch, heads = x.shape[0], x.shape[1]
+    grouped = x.view(batch, kv_heads, heads // kv_heads, x.shape[2], *x.shape[3:])
+    block = grouped[:, :, :, q0:q1]
+    return block.reshape(batch * kv_heads, -1, *x.shape[3:])
+
+
+def kv_block(x: torch.Tensor, k0: int, k1: int) -> torch.Tensor:
+    """(Bg, Hkv, Lk, E) → (Bg·Hkv, bk, E), a view of a contiguous tensor."""
+    return x[:, :, k0:k1].reshape(-1, k1 - k0, x.shape[3])
+
+
+def _allowed(
+    problem: Problem, group: Group, index: Indices, q0: int, q1: int, k0: int, k1: int
+) -> torch.Tensor | None:
+    """The boolean mask of a partial block, broadcastable to (Bg, H, bq, bk)."""
+    allowed: torch.Tensor | None = None
+    if problem.rule is not None:
+        b, h, qi, ki = index.at(q0, q1, k0, k1)
+        allowed = problem.rule(b, h, qi, ki, index.q_len, index.kv_len, torch_xp)
+    if group.mask is not None:
+        block = group.mask[:, :, q0:q1, k0:k1]
+        allowed = block if allowed is None else allowed & block
+    return allowed
+
+
+@dataclass
+class BlockScores:
+    """The scores of one block and what turns them into weights.
+
+    Attributes:
+        values: (Bg·Hkv, G·bq, bk) scaled, biased, modified and masked scores.
+        shape4: (Bg, H, bq, bk), the layout masks and modifiers see.
+        ones: 1 where allowed and 0 where masked, broadcastable to ``shape4``; None when the
+            whole block is allowed.
+        raw: the scores before the score modifier, when its gradient is needed.
+    """
+
+    values: torch.Tensor
+    shape4: tuple[int, int, int, int]
+    base2: bool
+    ones: torch.Tensor | None = None
+    raw: torch.Tensor | None = None
+
+    def exp_(self, shift: torch.Tensor, values: torch.Tensor | None = None) -> torch.Tensor:
+        """exp(values − shift) (exp2 in log2 units), in place, with exact zeros where masked.
+
+        exp(x) is several times slower on CPUs where it underflows (x < −87 in float32, and
+        −inf), so x is first raised to :data:`EXP_FLOOR`: a weight below e^−80 ≈ 2e−35 of the
+        row's largest becomes 2e−35 (far below any rounding), and the masked ones are then
+        multiplied by 0.
+        """
+        target = self.values if values is None else values
+        clamped = target.sub_(shift).clamp_(min=EXP_FLOOR)
+        weights = clamped.exp2_() if self.base2 else clamped.exp_()
+        if self.ones is not None:
+            weights.view(self.shape4).mul_(self.ones)
+        return weights
+
+
+def block_scores(
+    problem: Problem,
+    group: Group,
+    index: Indices,
+    q_block: torch.Tensor,
+    block: tuple[int, int, int, int],
+    kind: int,
+    out: torch.Tensor,
+    *,
+    keep_raw: bool = False,
+) -> BlockScores | None:
+    """The scaled, biased, modified and masked scores of one block, (Bg·Hkv, G·bq, bk).
+
+    Returns None when the block's mask turns out empty (nothing to do). With ``keep_raw``
+    (the backward pass of a score modifier), the scores before the modifier are kept, and
+    the modified scores are computed under autograd.
+    """
+    q0, q1, k0, k1 = block
+    batch, heads = group.q.shape[0], group.q.shape[1]
+    shape4 = (batch, heads, q1 - q0, k1 - k0)
+    allowed: torch.Tensor | None = None
+    if kind != FULL:
+        allowed = _allowed(problem, group, index, q0, q1, k0, k1)
+        if allowed is not None and problem.skip:
+            if not bool(allowed.any()):
+                return None
+            if bool(allowed.all()):
+                allowed = None
+    ones = None if allowed is None else allowed.to(out.dtype)  # 1 allowed, 0 masked
+    scores = torch.bmm(q_block, group.keys_t(k0, k1), out=out)
+    view = scores.view(shape4)  # h = kv_head · G + g
+    if group.bias is not None:
+        view.add_(group.bias[:, :, q0:q1, k0:k1], alpha=problem.units)
+    if problem.score_mod is not None:
+        b, h, qi, ki = index.at(q0, q1, k0, k1)
+        raw = view.detach().clone().requires_grad_(True) if keep_raw else None
+        with torch.enable_grad() if keep_raw else contextlib.nullcontext():
+            modified = problem.score_mod(
+                view if raw is None else raw, b, h, qi, ki, index.q_len, index.kv_len, torch_xp
+            ).expand(shape4)
+            if allowed is not None:
+                modified = modified.masked_fill(allowed.logical_not(), NEG_INF)
+            values = modified.reshape(scores.shape)
+        return BlockScores(values, shape4, problem.base2, ones, raw)
+    if allowed is not None and ones is not None:
+        if problem.exact_masking:  # a masked score may be NaN: overwrite it
+            view.masked_fill_(allowed.logical_not(), NEG_INF)
+        else:  # adding 0 / −inf is many times faster than masked_fill on CPUs
+            view.add_((ones - 1).div_(ones))
+    return BlockScores(scores, shape4, problem.base2, ones)
+
+
+def dropout_block(
+    problem: Problem, index: Indices, block: tuple[int, int, int, int]
+) -> torch.Tensor:
+    """The dropout pattern of one block, (Bg, H, bq, bk) booleans."""
+    assert problem.keep is not None
+    b, h, qi, ki = index.at(*block)
+    keep: torch.Tensor = problem.keep(b, h, qi, ki, index.q_len, index.kv_len, torch_xp)
+    return keep
+
+
+def blocks_of(kinds: Any, plan: BlockPlan, q_len: int, kv_len: int) -> Any:
+    """(i, q0, q1) for every query block, with [(k0, k1, kind), ...] of its non-empty blocks."""
+    for i, q0 in enumerate(range(0, q_len, plan.block_q)):
+        q1 = min(q0 + plan.block_q, q_len)
+        row = kinds[i]
+        keys = [
+            (k0, min(k0 + plan.block_kv, kv_len), int(row[j]))
+            for j, k0 in enumerate(range(0, kv_len, plan.block_kv))
+            if row[j] != EMPTY
+        ]
+        yield q0, q1, keys
+
+
+def columns_of(kinds: Any, plan: BlockPlan, q_len: int, kv_len: int) -> Any:
+    """(k0, k1) for every key block, with [(q0, q1, kind), ...] of its non-empty blocks."""
+    for j, k0 in enumerate(range(0, kv_len, plan.block_kv)):
+        k1 = min(k0 + plan.block_kv, kv_len)
+        column = kinds[:, j]
+        queries = [
+            (q0, min(q0 + plan.block_q, q_len), int(column[i]))
+            for i, q0 in enumerate(range(0, q_len, plan.block_q))
+            if column[i] != EMPTY
+        ]
+        yield k0, k1, queries
+
+
+# -- forward -------------------------------------------------------------------------------
+
+
+@dataclass
+class NonFinite:
+    clean: torch.Tensor  # the values with NaN and ±inf replaced by 0
+    hits: torch.Tensor  # (B, Hkv, Lk, 3·Dv): 1 where +inf, −inf, NaN
+
+
+def nonfinite(v: torch.Tensor) -> NonFinite | None:
+    """The slow path for values holding NaN or ±inf (one check over V otherwise).
+
+    Matrix products would turn weight 0 × NaN into NaN; as in the reference, a non-finite
+    value reaches a query's context only when the query gives it a positive weight.
+    """
+    if math.isfinite(
+        float(v.detach().sum())
+    ):  # a finite sum: every entry is finite (one fast pass)
+        return None
+    finite = torch.isfinite(v)
+    if bool(finite.all()):  # the sum overflowed
+        return None
+    clean = torch.where(finite, v, torch.zeros((), dtype=v.dtype, device=v.device))
+    hits = torch.cat([torch.isposinf(v), torch.isneginf(v), torch.isnan(v)], dim=-1)
+    return NonFinite(clean, hits.to(v.dtype))
+
+
+def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def put_back_nonfinite(context: torch.Tensor, reach: torch.Tensor) -> torch.Tensor:
+    pos, neg, nan = (
+        reach[..., i * context.shape[-1] : (i + 1) * context.shape[-1]] > 0 for i in range(3)
+    )
+    nan = nan | (pos & neg)
+    inf = torch.tensor(math.inf, dtype=context.dtype, device=context.device)
+    context = torch.where(pos, inf, torch.where(neg, -inf, context))
+    not_a_number = torch.tensor(math.nan, dtype=context.dtype, device=context.device)
+    return torch.where(nan, not_a_number, context)

@@ -1,0 +1,87 @@
+"""The tiled attention kernel: exact attention in O(L) memory, in plain PyTorch operations.
+
+The FlashAttention algorithm (Dao et al. 2022; Rabe & Staats 2021). The scores are never
+held whole: queries are cut into blocks of ``block_q`` rows and keys into blocks of
+``block_kv``, and each query block runs once over the key blocks it may see, keeping for
+every row
+
+    m  the running maximum of its scores          (for a stable exp)
+    l  the running sum of exp(score − m)          (the softmax denominator)
+    acc  the running sum of exp(score − m) · v    (the context, not yet divided by l)
+
+When a new block raises the maximum from m to m', the old sums are multiplied by
+exp(m − m'), so the result is exactly softmax(S')·V, computed in one pass. The kernel keeps
+only the output and the log-sum-exp ``lse = m + log l`` of each row; the backward pass
+recomputes each block's weights from them as ``exp(S' − lse)``.
+
+Layout (one matrix product serves every head of the batch, and the query heads that share a
+key/value head, GQA, are stacked along the rows):
+
+    query (B, H, Lq, D) → block (B·Hkv, G·bq, D)        G = H / Hkv
+    key   (B, Hkv, Lk, D) → block (B·Hkv, bk, D)
+    scores block (B·Hkv, G·bq, bk) = a view (B, H, bq, bk) for masks and score modifiers
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from qkv.kernels._backward import attention_backward
+from qkv.kernels._blockwise import Problem
+from qkv.kernels._forward import attention_forward
+
+__all__ = ["Problem", "attention_forward", "tiled_function"]
+
+
+class _TiledAttention(torch.autograd.Function):
+    """Forward and backward of the tiled kernel; saves only q, k, v, (bias,) out and lse."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        bias: torch.Tensor | None,
+        problem: Problem,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = attention_forward(q, k, v, bias, problem)
+        ctx.save_for_backward(q, k, v, bias, out, lse)
+        ctx.problem = problem
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, bias, out, lse = ctx.saved_tensors
+        if grad_out is None:  # only the lse was used
+            grad_out = torch.zeros_like(out)
+        need_bias = bias is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dbias = attention_backward(
+            q, k, v, bias, out, lse, grad_out, grad_lse, ctx.problem, need_bias
+        )
+        return dq, dk, dv, dbias, None
+
+
+def tiled_function(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    problem: Problem,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the kernel, through autograd when a gradient is wanted."""
+    wants_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, bias)
+    )
+    if not wants_grad:
+        with torch.no_grad():
+            return attention_forward(q, k, v, bias, problem)
+    result: tuple[torch.Tensor, torch.Tensor] = _TiledAttention.apply(  # type: ignore[no-untyped-call]
+        q, k, v, bias, problem
+    )
+    return result

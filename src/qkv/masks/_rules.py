@@ -1,0 +1,198 @@
+"""The Mask class: a rule on positions, its combinations, its dense form and block structure."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import numpy as np
+
+from qkv._array import Array
+
+Alignment = Literal["top-left", "bottom-right"]
+ALIGNMENTS: tuple[str, ...] = ("top-left", "bottom-right")
+
+# The rule behind a mask: (b, h, q_idx, kv_idx, q_len, kv_len, xp) -> bool array.
+# b, h, q_idx, kv_idx are integer arrays that broadcast against each other.
+Rule = Callable[[Array, Array, Array, Array, int, int, Any], Array]
+
+# The block structure of a mask: (b, h, q_start, q_end, kv_start, kv_end, q_len, kv_len)
+# -> (some, every), NumPy bool arrays that broadcast like (B, H, nq, nk). The arguments are
+# NumPy integer arrays shaped (B, 1, 1, 1), (1, H, 1, 1), (1, 1, nq, 1) twice and
+# (1, 1, 1, nk) twice; the ends are exclusive. ``some`` False promises that the block holds no
+# allowed pair; ``every`` True promises that every pair of the block is allowed.
+BlockRule = Callable[..., tuple[np.ndarray, np.ndarray]]
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+"""The kinds of blocks :meth:`Mask.blocks` reports."""
+
+
+class Mask:
+    """A boolean mask given by a rule on positions; True = the query may attend the key.
+
+    Build masks with :func:`causal`, :func:`key_padding`, :func:`sliding_window`,
+    :func:`document`, :func:`prefix_lm`, :func:`full` or :func:`from_function`, and combine
+    them with ``&``, ``|``, ``~``.
+
+    Args:
+        rule: ``(b, h, q_idx, kv_idx, q_len, kv_len, xp) -> bool array``.
+        description: the repr, e.g. ``"causal('top-left')"``.
+        op: ``"&"`` or ``"|"`` for a combination (for parentheses in the repr), else None.
+        blocks: the block structure (see :meth:`blocks`), or None when unknown.
+    """
+
+    def __init__(
+        self,
+        rule: Rule,
+        description: str,
+        op: str | None = None,
+        *,
+        blocks: BlockRule | None = None,
+    ) -> None:
+        self._rule = rule
+        self._description = description
+        self._op = op  # "&" or "|" for a combination, None for a single rule
+        self._blocks = blocks
+
+    def __repr__(self) -> str:
+        return self._description
+
+    def __call__(
+        self, b: Array, h: Array, q_idx: Array, kv_idx: Array, q_len: int, kv_len: int, xp: Any
+    ) -> Array:
+        """Evaluate the rule on broadcast index arrays of namespace ``xp``."""
+        return self._rule(b, h, q_idx, kv_idx, q_len, kv_len, xp)
+
+    @property
+    def knows_blocks(self) -> bool:
+        """Whether the mask knows its block structure without evaluating elements."""
+        return self._blocks is not None
+
+    def __and__(self, other: Mask) -> Mask:
+        _check_mask(other, "&")
+        text = f"{_group(self, '&')} & {_group(other, '&')}"
+
+        def blocks(*a: Any) -> tuple[np.ndarray, np.ndarray]:
+            (some_a, every_a), (some_b, every_b) = self._block_pair(*a), other._block_pair(*a)
+            return some_a & some_b, every_a & every_b
+
+        return Mask(lambda *a: self(*a) & other(*a), text, "&", blocks=blocks)
+
+    def __or__(self, other: Mask) -> Mask:
+        _check_mask(other, "|")
+        text = f"{_group(self, '|')} | {_group(other, '|')}"
+
+        def blocks(*a: Any) -> tuple[np.ndarray, np.ndarray]:
+            (some_a, every_a), (some_b, every_b) = self._block_pair(*a), other._block_pair(*a)
+            return some_a | some_b, every_a | every_b
+
+        return Mask(lambda *a: self(*a) | other(*a), text, "|", blocks=blocks)
+
+    def __invert__(self) -> Mask:
+        def blocks(*a: Any) -> tuple[np.ndarray, np.ndarray]:
+            some, every = self._block_pair(*a)
+            return ~every, ~some
+
+        return Mask(lambda *a: ~self(*a), f"~{_group(self, '~')}", blocks=blocks)
+
+    def _block_pair(self, *a: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(some, every) from the block rule; unknown: maybe some, not every."""
+        if self._blocks is None:
+            return np.ones((1, 1, 1, 1), dtype=bool), np.zeros((1, 1, 1, 1), dtype=bool)
+        some, every = self._blocks(*a)
+        return np.asarray(some, dtype=bool), np.asarray(every, dtype=bool)
+
+    def dense(
+        self,
+        q_len: int,
+        kv_len: int,
+        *,
+        batch: int = 1,
+        heads: int = 1,
+        xp: Any = None,
+        device: Any = None,
+    ) -> Array:
+        """The mask as a boolean array of shape (batch, heads, q_len, kv_len).
+
+        Args:
+            q_len, kv_len: Lq and Lk.
+            batch, heads: B and H (the rule sees b in range(B), h in range(H)).
+            xp: the array namespace (NumPy by default), e.g. ``array_api_compat.torch``.
+            device: where to build it (for PyTorch).
+        """
+        if xp is None:
+            xp = np
+        b = xp.reshape(xp.arange(batch, device=device), (batch, 1, 1, 1))
+        h = xp.reshape(xp.arange(heads, device=device), (1, heads, 1, 1))
+        q = xp.reshape(xp.arange(q_len, device=device), (1, 1, q_len, 1))
+        kv = xp.reshape(xp.arange(kv_len, device=device), (1, 1, 1, kv_len))
+        out = self(b, h, q, kv, q_len, kv_len, xp)
+        return xp.broadcast_to(xp.asarray(out, dtype=xp.bool), (batch, heads, q_len, kv_len))
+
+    def blocks(
+        self,
+        q_len: int,
+        kv_len: int,
+        block_q: int,
+        block_kv: int,
+        *,
+        batch: int = 1,
+        heads: int = 1,
+    ) -> np.ndarray:
+        """Which blocks of the (Lq, Lk) matrix are empty, partial or full, without evaluating
+        the mask element by element.
+
+        Blocks are ``block_q`` queries by ``block_kv`` keys (the last ones may be smaller).
+        A mask with no block structure (see :attr:`knows_blocks`) reports every block as
+        :data:`PARTIAL`: the kernel then evaluates it block by block.
+
+        Returns:
+            int8 array of shape (B or 1, H or 1, ceil(Lq / block_q), ceil(Lk / block_kv)) of
+            :data:`EMPTY` (no allowed pair: skipped), :data:`PARTIAL` (some: the mask is
+            evaluated) and :data:`FULL` (every pair allowed: no mask needed). The batch and
+            head axes have size 1 when the structure does not depend on them.
+
+        Example:
+            >>> from qkv.masks import sliding_window
+            >>> sliding_window(1).blocks(6, 6, 2, 2)[0, 0]
+            array([[1, 0, 0],
+                   [1, 1, 0],
+                   [0, 1, 1]], dtype=int8)
+        """
+        b = np.arange(batch).reshape(batch, 1, 1, 1)
+        h = np.arange(heads).reshape(1, heads, 1, 1)
+        q_start = np.arange(0, q_len, block_q).reshape(1, 1, -1, 1)
+        kv_start = np.arange(0, kv_len, block_kv).reshape(1, 1, 1, -1)
+        q_end = np.minimum(q_start + block_q, q_len)
+        kv_end = np.minimum(kv_start + block_kv, kv_len)
+        some, every = self._block_pair(b, h, q_start, q_end, kv_start, kv_end, q_len, kv_len)
+        kinds = np.where(every, FULL, np.where(some, PARTIAL, EMPTY)).astype(np.int8)
+        shape = np.broadcast_shapes(kinds.shape, (1, 1, q_start.shape[2], kv_start.shape[3]))
+        return np.ascontiguousarray(np.broadcast_to(kinds, shape))
+
+
+def _check_mask(other: object, op: str) -> None:
+    if not isinstance(other, Mask):
+        raise TypeError(
+            f"a Mask combines with {op} only with another Mask, got {type(other).__name__}. "
+            "Hint: wrap a boolean array with qkv.masks.from_function or combine dense arrays "
+            "directly."
+        )
+
+
+def _group(mask: Mask, op: str) -> str:
+    """The repr of ``mask`` as an operand of ``op``, in parentheses where precedence needs it."""
+    return repr(mask) if mask._op in (None, op) else f"({mask!r})"
+
+
+def check_alignment(alignment: str) -> None:
+    if alignment not in ALIGNMENTS:
+        raise ValueError(
+            f"causal_alignment must be 'top-left' or 'bottom-right', got {alignment!r}. "
+            "Hint: 'bottom-right' is the one for decoding with a KV cache (Lq < Lk)."
+        )
+
+
+def diagonal_offset(alignment: str, q_len: int, kv_len: int) -> int:
+    """How far the diagonal is shifted right: 0 for top-left, Lk − Lq for bottom-right."""
+    return kv_len - q_len if alignment == "bottom-right" else 0

@@ -1,0 +1,153 @@
+"""Score modifiers: rules that change the scaled scores (ALiBi, soft-capping, your own)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from qkv._array import Array
+from qkv._array import device as array_device
+from qkv.masks._rules import Alignment, check_alignment, diagonal_offset
+
+# (score, b, h, q_idx, kv_idx, q_len, kv_len, xp) -> score, elementwise.
+ScoreRule = Callable[[Array, Array, Array, Array, Array, int, int, Any], Array]
+
+
+class ScoreMod:
+    """A change of the scaled scores by a rule on positions: ``score_mod(score, b, h, q, kv)``.
+
+    Applied after the scaling and the ``bias`` and before the mask, on every backend. Chain
+    two with :meth:`then`.
+
+    Args:
+        rule: ``(score, b, h, q_idx, kv_idx, q_len, kv_len, xp) -> score``, elementwise.
+        description: the repr, e.g. ``"softcap(30.0)"``.
+    """
+
+    def __init__(self, rule: ScoreRule, description: str) -> None:
+        self._rule = rule
+        self._description = description
+
+    def __repr__(self) -> str:
+        return self._description
+
+    def __call__(
+        self,
+        score: Array,
+        b: Array,
+        h: Array,
+        q_idx: Array,
+        kv_idx: Array,
+        q_len: int,
+        kv_len: int,
+        xp: Any,
+    ) -> Array:
+        """Apply the rule to scores laid out as the broadcast of the index arrays."""
+        return self._rule(score, b, h, q_idx, kv_idx, q_len, kv_len, xp)
+
+    def then(self, other: ScoreMod) -> ScoreMod:
+        """This modifier, then ``other`` on its result.
+
+        Example:
+            >>> alibi([0.5]).then(softcap(20.0))
+            alibi([0.5], alignment='bottom-right').then(softcap(20.0))
+        """
+        if not isinstance(other, ScoreMod):
+            raise TypeError(
+                f"ScoreMod.then expects another ScoreMod, got {type(other).__name__}. Hint: "
+                "wrap a function with qkv.masks.score_function(fn)."
+            )
+        return ScoreMod(
+            lambda s, *a: other(self(s, *a), *a), f"{self._description}.then({other!r})"
+        )
+
+
+def score_function(
+    score_mod: Callable[[Array, Array, Array, Array, Array], Array], name: str = ""
+) -> ScoreMod:
+    """A score modifier from your own rule ``score_mod(score, b, h, q_idx, kv_idx) -> score``.
+
+    The rule must be elementwise (arithmetic, ``where``, ``tanh``, ...) on arrays that
+    broadcast against each other. Gradients flow through it to the queries and keys.
+
+    Example:
+        >>> import numpy as np
+        >>> halve = score_function(lambda s, b, h, q, kv: s / 2, "halve")
+        >>> halve(np.array([[2.0]]), 0, 0, np.zeros((1, 1)), np.zeros((1, 1)), 1, 1, np)
+        array([[1.]])
+    """
+    label = name or getattr(score_mod, "__name__", "score_mod")
+    return ScoreMod(
+        lambda s, b, h, q, kv, lq, lk, xp: score_mod(s, b, h, q, kv), f"score_function({label})"
+    )
+
+
+def alibi(slopes: int | Sequence[float], *, alignment: Alignment = "bottom-right") -> ScoreMod:
+    """ALiBi (Press et al. 2022) as a score modifier: ``score − m_h · |(i + offset) − j|``.
+
+    The same numbers as :func:`qkv.positional.alibi_bias`, computed block by block instead
+    of as an (H, Lq, Lk) array.
+
+    Args:
+        slopes: the number of heads H (slopes from :func:`qkv.positional.alibi_slopes`), or
+            one slope m_h per head.
+        alignment: where query 0 sits among the keys: ``"bottom-right"`` (offset Lk − Lq,
+            the queries are the last positions, as with a KV cache; the default, as in
+            ``alibi_bias``) or ``"top-left"`` (offset 0).
+
+    Example:
+        >>> import numpy as np
+        >>> rule = alibi([0.5])
+        >>> q, kv = np.arange(2).reshape(2, 1), np.arange(3).reshape(1, 3)
+        >>> rule(np.zeros((2, 3)), 0, 0, q, kv, 2, 3, np)
+        array([[-0.5,  0. , -0.5],
+               [-1. , -0.5,  0. ]])
+    """
+    check_alignment(alignment)
+    if isinstance(slopes, int):
+        from qkv.positional import alibi_slopes
+
+        values = alibi_slopes(slopes)
+    else:
+        values = [float(m) for m in slopes]
+        if not values or not all(math.isfinite(m) for m in values):
+            raise ValueError(
+                f"alibi: slopes must be finite numbers, one per head, got {values!r}. "
+                "Hint: alibi(8) uses the paper's slopes for 8 heads."
+            )
+
+    def rule(s: Array, b: Array, h: Array, q: Array, kv: Array, lq: int, lk: int, xp: Any) -> Array:
+        if getattr(h, "ndim", 0) == 4 and int(h.shape[1]) > len(values):
+            raise ValueError(
+                f"alibi has {len(values)} slopes but the scores have {h.shape[1]} heads. "
+                "Hint: give one slope per query head, e.g. alibi(num_heads)."
+            )
+        table = xp.asarray(values, dtype=s.dtype, device=array_device(s))
+        slope = table[h]
+        distance = xp.abs(q + diagonal_offset(alignment, lq, lk) - kv)
+        return s - slope * xp.astype(distance, s.dtype)
+
+    return ScoreMod(rule, f"alibi({_short(values)}, alignment={alignment!r})")
+
+
+def softcap(cap: float) -> ScoreMod:
+    """Logit soft-capping (Gemma 2, Grok): ``cap · tanh(score / cap)``, scores within ±cap.
+
+    Example:
+        >>> import numpy as np
+        >>> softcap(1.0)(np.array([0.0, 100.0]), 0, 0, 0, 0, 1, 1, np).round(4)
+        array([0., 1.])
+    """
+    if isinstance(cap, bool) or not isinstance(cap, int | float) or not 0 < cap < math.inf:
+        raise ValueError(
+            f"softcap: cap must be a positive finite number, got {cap!r}. "
+            "Hint: Gemma 2 uses softcap(50.0) on the attention scores."
+        )
+    cap = float(cap)
+    return ScoreMod(lambda s, b, h, q, kv, lq, lk, xp: xp.tanh(s / cap) * cap, f"softcap({cap})")
+
+
+def _short(values: list[float]) -> str:
+    shown = ", ".join(f"{m:.4g}" for m in values[:4])
+    return f"[{shown}{', ...' if len(values) > 4 else ''}]"

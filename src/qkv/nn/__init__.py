@@ -1,0 +1,32 @@
+"""PyTorch layers over the qkv core: multi-head attention, KV cache, a transformer block.
+
+- :class:`MultiHeadAttention` - batch-first multi-head attention: self and cross, GQA/MQA,
+  RoPE or ALiBi, masks with True = may attend, a KV cache for decoding, and
+  ``from_torch`` to take over a ``torch.nn.MultiheadAttention`` with its weights.
+- :class:`KVCache` - keys and values of the tokens seen so far, optionally a sliding window.
+- :class:`TransformerBlock` - pre-norm attention and MLP.
+- :func:`masks_from_torch` - torch's True = ignore / additive masks to qkv's True = attend.
+
+The modules only project and split heads; the attention is
+:func:`qkv.scaled_dot_product_attention`. Inside ``qkv.tracing(model=model, ...)`` they
+record their steps under their path in the model.
+
+Example:
+    >>> import torch, qkv
+    >>> block = qkv.nn.TransformerBlock(16, num_heads=2)
+    >>> with qkv.tracing(model=block, heads=[1]) as t:
+    ...     _ = block(torch.randn(1, 3, 16))
+    >>> t["weights"].layer, t["weights"].shape
+    ('attn', (1, 1, 3, 3))
+"""
+
+from qkv._extras import require
+
+require("torch", feature="qkv.nn")
+
+from qkv.nn._block import TransformerBlock  # noqa: E402
+from qkv.nn._cache import KVCache  # noqa: E402
+from qkv.nn._mha import MultiHeadAttention  # noqa: E402
+from qkv.nn._torch import masks_from_torch  # noqa: E402
+
+__all__ = ["KVCache", "MultiHeadAttention", "TransformerBlock", "masks_from_torch"]

@@ -1,0 +1,465 @@
+"""``MultiHeadAttention``: project, split heads, call the core, merge heads, project.
+
+Shape legend (batch first, as everywhere in qkv.nn):
+
+    B   batch               Lq  query length            E    embed_dim (d_model)
+    H   query heads         Lk  key / value length      Ek   kdim, Ev vdim
+    Hkv key/value heads     D   head_dim (d_k = d_v)
+
+    query (B, Lq, E)   key (B, Lk, Ek)   value (B, Lk, Ev)   →   output (B, Lq, E)
+
+The module only projects and splits heads: the attention itself is
+:func:`qkv.scaled_dot_product_attention`, which picks the fastest exact backend (PyTorch's
+fused kernel when nobody asks for the weights or a trace, the readable reference otherwise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal, overload
+
+import array_api_compat.torch as xp_torch
+import torch
+from torch import nn
+
+from qkv import masks
+from qkv import positional as pos
+from qkv.attention import scaled_dot_product_attention
+from qkv.attention._heads import PROJECTION_TEXT
+from qkv.nn._cache import KVCache
+from qkv.nn._masks import MaskLike, combine_masks
+from qkv.trace import Trace, current_trace, suspended
+
+__all__ = ["MultiHeadAttention"]
+
+ALIBI_DENSE_LIMIT = 1 << 22
+"""ALiBi goes to the core as an (H, Lq, Lk) bias array (which PyTorch's fused kernel takes) up
+to this many elements, and as a score modifier (:func:`qkv.masks.alibi`, evaluated block by
+block by the tiled kernel) beyond."""
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention, batch first: softmax(Q·Kᵀ/√D + bias, mask)·V in each head.
+
+    ``Q = X·W_q``, ``K = Y·W_k``, ``V = Y·W_v`` (Y = X for self-attention), split into heads
+    of D features, attended head by head, concatenated and projected by ``W_o``. With fewer
+    key/value heads than query heads (``num_kv_heads``), each key/value head serves a group
+    of query heads: grouped-query attention (GQA), or multi-query attention (MQA) with one.
+
+    Args:
+        embed_dim: E, the width of the queries' sequence and of the output.
+        num_heads: H, the query heads.
+        num_kv_heads: Hkv, the key/value heads (default H); must divide H.
+        kdim, vdim: Ek and Ev, the widths of the key and value inputs (default E).
+        head_dim: D (default E / H).
+        bias: learn biases in the four projections.
+        dropout: probability of dropping an attention weight while training.
+        positional: None, ``"rope"`` (half-split pairs), ``"rope-interleaved"``, ``"alibi"``,
+            or a :class:`qkv.positional.RoPE` / :class:`qkv.positional.ALiBi` with settings.
+
+    Attributes:
+        q_proj, k_proj, v_proj, out_proj: the projections (``torch.nn.Linear``); in qkv's
+            row-vector convention ``W_q = q_proj.weight.T`` (also the property ``W_q``).
+
+    Example:
+        >>> import torch
+        >>> attn = MultiHeadAttention(64, num_heads=8, num_kv_heads=2, positional="rope")
+        >>> x = torch.randn(2, 10, 64)                        # (B, L, E)
+        >>> attn(x, is_causal=True).shape                      # self-attention
+        torch.Size([2, 10, 64])
+        >>> out, weights = attn(x, need_weights=True)
+        >>> weights.shape                                      # (B, H, Lq, Lk)
+        torch.Size([2, 8, 10, 10])
+    """
+
+    _qkv_traceable = True  # qkv.tracing(model=...) names and records modules with this flag
+
+    bias_k: nn.Parameter | None
+    bias_v: nn.Parameter | None
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        head_dim: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        positional: str | pos.RoPE | pos.ALiBi | None = None,
+    ) -> None:
+        super().__init__()
+        embed_dim = _positive(embed_dim, "embed_dim", "the model width E, e.g. 512")
+        num_heads = _positive(num_heads, "num_heads", "e.g. 8")
+        kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        kv_heads = _positive(kv_heads, "num_kv_heads", "1 is multi-query attention")
+        if num_heads % kv_heads:
+            raise ValueError(
+                f"num_kv_heads must divide num_heads: num_heads={num_heads}, "
+                f"num_kv_heads={kv_heads}. Hint: each key/value head serves num_heads / "
+                f"num_kv_heads query heads; valid: {_divisors(num_heads)}."
+            )
+        if head_dim is None:
+            if embed_dim % num_heads:
+                raise ValueError(
+                    f"embed_dim must be divisible by num_heads when head_dim is not given: "
+                    f"embed_dim={embed_dim}, num_heads={num_heads}. Hint: choose num_heads "
+                    f"among {_divisors(embed_dim)}, or pass head_dim=..."
+                )
+            head_dim = embed_dim // num_heads
+        head_dim = _positive(head_dim, "head_dim", "the features per head, D")
+        kdim = embed_dim if kdim is None else _positive(kdim, "kdim", "the key input width")
+        vdim = embed_dim if vdim is None else _positive(vdim, "vdim", "the value input width")
+        if (
+            isinstance(dropout, bool)
+            or not isinstance(dropout, int | float)
+            or not 0.0 <= dropout < 1.0
+        ):
+            raise ValueError(
+                f"dropout must be a probability in [0, 1), got {dropout!r}. "
+                "Hint: dropout=0.1 drops one attention weight in ten while training."
+            )
+        settings = pos.resolve(positional)
+        if isinstance(settings, pos.RoPE) and head_dim % 2:
+            raise ValueError(
+                f"positional={positional!r} needs an even head_dim (RoPE rotates pairs of "
+                f"features), got head_dim={head_dim}. Hint: pass an even head_dim=..."
+            )
+        slopes = settings.slopes if isinstance(settings, pos.ALiBi) else None
+        if slopes is not None and len(slopes) != num_heads:
+            raise ValueError(
+                f"ALiBi slopes must give one slope per head ({num_heads}), got "
+                f"{len(slopes)}. Hint: ALiBi() uses the standard slopes."
+            )
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, kv_heads
+        self.head_dim, self.kdim, self.vdim = head_dim, kdim, vdim
+        self.dropout = float(dropout)
+        self.positional = settings
+        self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(kdim, kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(vdim, kv_heads * head_dim, bias=bias)
+        self.out_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=bias)
+        # Extra key/value rows of torch.nn.MultiheadAttention (set by from_torch only).
+        self.register_parameter("bias_k", None)
+        self.register_parameter("bias_v", None)
+        self.add_zero_attn = False
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform projection weights and zero biases (as torch.nn.MultiheadAttention)."""
+        for linear in (self.q_proj, self.k_proj, self.v_proj):
+            nn.init.xavier_uniform_(linear.weight)
+        for linear in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
+
+    # -- the weight matrices in qkv's row-vector convention -------------------------------
+
+    @property
+    def W_q(self) -> torch.Tensor:
+        """(E, H·D): ``Q = X·W_q`` (a view of ``q_proj.weight.T``)."""
+        return self.q_proj.weight.T
+
+    @property
+    def W_k(self) -> torch.Tensor:
+        """(Ek, Hkv·D): ``K = Y·W_k``."""
+        return self.k_proj.weight.T
+
+    @property
+    def W_v(self) -> torch.Tensor:
+        """(Ev, Hkv·D): ``V = Y·W_v``."""
+        return self.v_proj.weight.T
+
+    @property
+    def W_o(self) -> torch.Tensor:
+        """(H·D, E): ``O = concat·W_o``."""
+        return self.out_proj.weight.T
+
+    def extra_repr(self) -> str:
+        text = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}"
+        if self.num_kv_heads != self.num_heads:
+            text += f", num_kv_heads={self.num_kv_heads}"
+        if self.head_dim * self.num_heads != self.embed_dim:
+            text += f", head_dim={self.head_dim}"
+        if self.dropout:
+            text += f", dropout={self.dropout}"
+        if self.positional is not None:
+            text += f", positional={self.positional}"
+        return text
+
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
+        """The same attention as a ``torch.nn.MultiheadAttention``, with its weights copied.
+
+        Any of its settings: ``bias``, ``add_bias_kv``, ``add_zero_attn``, ``kdim``/``vdim``,
+        ``dropout``; the result is on the module's device and dtype. qkv is batch first: for a
+        module built without ``batch_first=True``, transpose the inputs,
+        ``x.transpose(0, 1)``. Its masks (True = *ignore*) convert with
+        :func:`qkv.nn.masks_from_torch`.
+
+        Example:
+            >>> import torch
+            >>> theirs = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+            >>> ours = MultiHeadAttention.from_torch(theirs)
+            >>> x = torch.randn(2, 5, 16)
+            >>> torch.allclose(ours(x), theirs(x, x, x, need_weights=False)[0], atol=1e-6)
+            True
+        """
+        from qkv.nn._torch import convert
+
+        return convert(cls, module)
+
+    # -- forward ---------------------------------------------------------------------------
+
+    @overload
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = ...,
+        value: torch.Tensor | None = ...,
+        *,
+        mask: MaskLike | None = ...,
+        key_padding_lengths: torch.Tensor | Sequence[int] | None = ...,
+        is_causal: bool = ...,
+        cache: KVCache | None = ...,
+        need_weights: Literal[False] = ...,
+    ) -> torch.Tensor: ...
+
+    @overload
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = ...,
+        value: torch.Tensor | None = ...,
+        *,
+        mask: MaskLike | None = ...,
+        key_padding_lengths: torch.Tensor | Sequence[int] | None = ...,
+        is_causal: bool = ...,
+        cache: KVCache | None = ...,
+        need_weights: Literal[True],
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        *,
+        mask: MaskLike | None = None,
+        key_padding_lengths: torch.Tensor | Sequence[int] | None = None,
+        is_causal: bool = False,
+        cache: KVCache | None = None,
+        need_weights: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attend from ``query`` to ``key``/``value`` (self-attention when key is None).
+
+        Args:
+            query: (B, Lq, E).
+            key: (B, Lk, Ek); default ``query`` (self-attention).
+            value: (B, Lk, Ev); default ``key``.
+            mask: boolean, **True = may attend**, of shape (Lq, Lk) or (B, H or 1, Lq, Lk),
+                or a :class:`qkv.masks.Mask`. Lk counts the cached tokens too.
+            key_padding_lengths: (B,) integers: batch element b attends only its first
+                ``lengths[b]`` keys (the rest is padding).
+            is_causal: each query attends only to keys at its position or before. The queries
+                are the last positions of the keys (bottom-right alignment), as when
+                decoding with a cache.
+            cache: a :class:`qkv.nn.KVCache` (self-attention only): the new keys and values
+                are appended to it and the queries attend to everything it holds.
+            need_weights: also return the attention weights (B, H, Lq, Lk), per head and
+                before dropout (this runs the reference path).
+
+        Returns:
+            The output (B, Lq, E), or ``(output, weights)`` with ``need_weights=True``.
+
+        Raises:
+            ValueError, TypeError: inputs whose shapes or types do not fit, naming the
+                argument, what was expected and what came.
+        """
+        self_attention = key is None or key is query
+        key = query if key is None else key
+        value = key if value is None else value
+        self._check_inputs(query, key, value, cache, self_attention)
+        args = (query, key, value, mask, key_padding_lengths, is_causal, cache, need_weights)
+        trace = current_trace()
+        if trace is None:  # tracing off: one ContextVar lookup, nothing else
+            return self._attend(*args, None)
+        path = trace.layer_name(self)
+        if not trace.records_layer(path):
+            with suspended():  # a layer not selected runs as if tracing were off
+                return self._attend(*args, None)
+        facts = {
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "positional": None if self.positional is None else repr(self.positional),
+            "causal": bool(is_causal),
+        }
+        with trace.in_layer(path, **facts):
+            return self._attend(*args, trace)
+
+    def _attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: MaskLike | None,
+        key_padding_lengths: torch.Tensor | Sequence[int] | None,
+        is_causal: bool,
+        cache: KVCache | None,
+        need_weights: bool,
+        trace: Trace | None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        batch, lq, lk = query.shape[0], query.shape[1], key.shape[1]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if trace is not None:
+            self._record(trace, "embeddings", query, ("batch", "token", "model"))
+            for name in ("W_q", "W_k", "W_v"):
+                self._record(trace, name, getattr(self, name), ("model", "feature"))
+
+        k_flat, v_flat = self.k_proj(key), self.v_proj(value)  # (B, Lk, Hkv·D)
+        if self.bias_k is not None and self.bias_v is not None:  # one learned key/value row
+            k_flat = torch.cat((k_flat, self.bias_k.expand(batch, 1, -1)), dim=1)
+            v_flat = torch.cat((v_flat, self.bias_v.expand(batch, 1, -1)), dim=1)
+        q = self.q_proj(query).view(batch, lq, H, D).transpose(1, 2)  # (B, H, Lq, D)
+        k = k_flat.view(batch, -1, Hkv, D).transpose(1, 2)  # (B, Hkv, Lk, D)
+        v = v_flat.view(batch, -1, Hkv, D).transpose(1, 2)  # (B, Hkv, Lk, D)
+        if self.add_zero_attn:  # one all-zero key/value row
+            k = torch.cat((k, k.new_zeros(batch, Hkv, 1, D)), dim=2)
+            v = torch.cat((v, v.new_zeros(batch, Hkv, 1, D)), dim=2)
+
+        offset = 0 if cache is None else cache.position
+        if isinstance(self.positional, pos.RoPE):
+            q = pos.apply_rope(
+                q, offset=offset, base=self.positional.base, layout=self.positional.layout
+            )
+            k = pos.apply_rope(
+                k, offset=offset, base=self.positional.base, layout=self.positional.layout
+            )
+        if cache is not None:
+            cache._claim(self)
+            k, v = cache.append(k, v)  # (B, Hkv, L + Lq, D): the tokens held and the new ones
+            lk = int(k.shape[2])
+        extra = int(k.shape[2]) - lk  # rows from add_bias_kv / add_zero_attn
+
+        allowed, causal_flag = combine_masks(
+            mask,
+            key_padding_lengths,
+            is_causal,
+            window=None if cache is None else cache.max_length,
+            batch=batch,
+            heads=H,
+            lq=lq,
+            lk=lk,
+            extra=extra,
+            device=query.device,
+        )
+        bias, score_mod = None, None
+        if isinstance(self.positional, pos.ALiBi):
+            slopes = self.positional.slopes or pos.alibi_slopes(H)
+            if need_weights or trace is not None or H * lq * lk <= ALIBI_DENSE_LIMIT:
+                bias = pos.alibi_bias(
+                    H, lq, lk, slopes=slopes, xp=xp_torch, device=query.device, dtype=q.dtype
+                )  # (H, Lq, Lk)
+            else:  # long sequences: the same numbers block by block, no (H, Lq, Lk) array
+                score_mod = masks.alibi(list(slopes), alignment="bottom-right")
+        out = scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            mask=allowed,
+            bias=bias,
+            score_mod=score_mod,
+            is_causal=causal_flag,
+            causal_alignment="top-left" if lq == lk else "bottom-right",
+            enable_gqa=Hkv != H,
+            dropout_p=self.dropout if self.training else 0.0,
+            return_weights=need_weights,
+        )
+        context, weights = out if need_weights else (out, None)  # (B, H, Lq, D)
+        concat = context.transpose(1, 2).reshape(batch, lq, H * D)  # (B, Lq, H·D)
+        output = self.out_proj(concat)  # (B, Lq, E)
+        if trace is not None:
+            self._record(trace, "concat", concat, ("batch", "query", "feature"))
+            self._record(trace, "W_o", self.W_o, ("feature", "model"))
+            self._record(trace, "output", output, ("batch", "query", "model"))
+        return (output, weights) if weights is not None else output
+
+    def _record(self, trace: Trace, name: str, value: torch.Tensor, axes: tuple[str, ...]) -> None:
+        if not trace.wants_step(name):
+            return
+        formula, description = PROJECTION_TEXT[name]
+        trace.record(name, value, formula=formula, description=description, axes=axes)
+
+    def _check_inputs(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cache: KVCache | None,
+        self_attention: bool,
+    ) -> None:
+        for name, x, width, what in (
+            ("query", query, self.embed_dim, "embed_dim"),
+            ("key", key, self.kdim, "kdim"),
+            ("value", value, self.vdim, "vdim"),
+        ):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(
+                    f"{name} must be a torch.Tensor of shape (B, L, {width}), got "
+                    f"{type(x).__name__}. Hint: torch.as_tensor(...)."
+                )
+            if x.ndim != 3 or x.shape[-1] != width:
+                hint = (
+                    f"add a batch axis: {name}[None]"
+                    if x.ndim == 2
+                    else "qkv.nn is batch first: (B, L, features)"
+                )
+                raise ValueError(
+                    f"{name} must have shape (B, L, {what}={width}), got {tuple(x.shape)}. "
+                    f"Hint: {hint}."
+                )
+            if not x.is_floating_point():
+                raise TypeError(
+                    f"{name} must be floating point, got {x.dtype}. Hint: {name}.float()."
+                )
+        if key.shape[:2] != value.shape[:2]:
+            raise ValueError(
+                f"key and value must have the same batch and length (B, Lk): key "
+                f"{tuple(key.shape)}, value {tuple(value.shape)}. Hint: one value per key."
+            )
+        if key.shape[0] != query.shape[0]:
+            raise ValueError(
+                f"query and key must have the same batch size B: query {tuple(query.shape)}, "
+                f"key {tuple(key.shape)}."
+            )
+        if cache is not None:
+            if not isinstance(cache, KVCache):
+                raise TypeError(
+                    f"cache must be a qkv.nn.KVCache, got {type(cache).__name__}. "
+                    "Hint: cache = qkv.nn.KVCache()."
+                )
+            if not self_attention:
+                raise ValueError(
+                    "cache works with self-attention only (key=None): it appends the new "
+                    "tokens' keys and values. Hint: for cross-attention, compute the keys of "
+                    "the fixed sequence once and pass it as key= without a cache."
+                )
+            if self.bias_k is not None or self.add_zero_attn:
+                raise ValueError(
+                    "cache cannot be combined with add_bias_kv or add_zero_attn (modules "
+                    "converted from torch.nn.MultiheadAttention). Hint: convert a module "
+                    "without them to decode with a cache."
+                )
+
+
+def _positive(value: Any, name: str, hint: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}. Hint: {hint}.")
+    return value
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,138 @@
+"""`qkv bench`: its tables, the section it writes into docs/benchmarks.md, its errors; the
+kernels page runs as documented."""
+
+from __future__ import annotations
+
+import doctest
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from qkv.cli import _bench, main
+from qkv.kernels import _suite
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TINY = _suite.Settings(
+    lengths=(64, 128),
+    mask_length=512,
+    long_length=512,
+    decode_length=256,
+    trace_length=128,
+    repeats=1,
+    quick=True,
+)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Any:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_the_kernels_page_runs_as_written() -> None:
+    result = doctest.testfile(
+        str(ROOT / "docs" / "kernels.md"),
+        module_relative=False,
+        optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS,
+    )
+    assert result.attempted > 15
+    assert result.failed == 0
+
+
+def _table() -> _suite.Table:
+    table = _suite.Table("dense", "Dense", "sdpa-flash")
+    table.rows = [
+        _suite.Row("dense", 1024, "sdpa-flash", 0.010, 2.0e9),
+        _suite.Row("dense", 1024, "tiled", 0.012, 2.0e9),
+    ]
+    _suite._ratios(table.rows, "sdpa-flash")
+    return table
+
+
+def test_cells_give_ratios_and_the_share_of_the_gemm_rate() -> None:
+    head, rows = _bench._cells(_table(), rate=200.0)
+    assert head == ["N", "mask", "peer", "ms", "ratio", "GFLOP/s", "% GEMM"]
+    assert rows[1] == ["1024", "dense", "tiled", "12.0", "1.20", "167", "83.3"]
+
+
+def test_the_section_is_rewritten_between_its_markers_and_nothing_else(tmp_path: Path) -> None:
+    page = tmp_path / "benchmarks.md"
+    page.write_text(
+        "# Benchmarks\n\nintro\n\n## qkv.nn vs torch.nn.MultiheadAttention\n\nkeep me\n",
+        encoding="utf-8",
+    )
+    about = {"cpu": "test cpu", "cores": 2, "threads": 2, "torch": "x", "memory_gib": 4}
+    _bench._write(page, [_table()], about, 200.0, TINY)
+    first = page.read_text(encoding="utf-8")
+    assert "keep me" in first and first.count(_bench.START) == 1
+    assert "| 1024 | dense | tiled | 12.0 | 1.20 | 167 | 83.3 |" in first
+    assert "test cpu" in first and (tmp_path / "img" / "bench-dense.png").stat().st_size > 0
+    table = _table()
+    table.rows[1].seconds = 0.008
+    _suite._ratios(table.rows, "sdpa-flash")
+    _bench._write(page, [table], about, 200.0, TINY)
+    second = page.read_text(encoding="utf-8")
+    assert second.count(_bench.START) == 1 and "keep me" in second
+    assert "| 0.80 |" in second and "| 1.20 |" not in second
+    assert second.startswith("# Benchmarks\n\nintro\n")
+    long = _suite.Table("long", "Long", "tiled")
+    long.rows = [_suite.Row("fwd+bwd", 65536, "tiled", 265.0, 1.5e13, 201 * 2**20)]
+    _bench._write(page, [long], about, 200.0, TINY)  # one table alone: the others stay
+    third = page.read_text(encoding="utf-8")
+    assert "| 0.80 |" in third and "| 65536 | fwd+bwd | 265.0 |" in third
+    assert third.index("### Dense") < third.index("### Long") and "keep me" in third
+
+
+def test_bench_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--output", str(tmp_path / "missing" / "b.md")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["bench", "--only", "nothing"]) == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_a_small_run_prints_tables_that_fit_80_columns(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_suite.Settings, "quick_run", classmethod(lambda cls: TINY))
+    assert main(["bench", "--quick", "--only", "dense", "trace", "decode", "--no-write"]) == 0
+    out = capsys.readouterr().out
+    assert "Dense and causal forward" in out and "sdpa-flash" in out and "decode" in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+
+
+@pytest.mark.slow
+def test_a_full_small_run_writes_the_page_and_plots(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(_suite.Settings, "quick_run", classmethod(lambda cls: TINY))
+    page = tmp_path / "benchmarks.md"
+    assert main(["bench", "--quick", "--output", str(page)]) == 0
+    text = page.read_text(encoding="utf-8")
+    for title in ("Structured masks", "Forward + backward", "One decoding step"):
+        assert title in text
+    assert (tmp_path / "img" / "bench-masks.png").exists()
+    assert "wrote" in capsys.readouterr().err
+
+
+def test_peak_memory_sees_a_tensor_allocated_and_freed() -> None:
+    # A fresh process, as `qkv bench` uses: in a long-lived one the allocator may reuse memory
+    # that earlier tests left resident, and nothing new is counted.
+    code = (
+        "import torch\n"
+        "from qkv.kernels._memory import peak_memory\n"
+        "added, total = peak_memory(lambda: torch.ones(16_000_000).sum().item())  # 64 MB\n"
+        "print(added, int(total))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    added, total = map(int, result.stdout.split())
+    assert total == 16_000_000
+    assert 50_000_000 < added < 200_000_000
