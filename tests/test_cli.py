@@ -326,7 +326,7 @@ def test_readme_output_excerpt_is_real_output(capsys: pytest.CaptureFixture[str]
 
 
 def test_readme_python_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    (code,) = _blocks("python")
+    code = _blocks("python")[0]  # the NumPy example; the PyTorch one: test_nn_docs.py
     exec(compile(code, str(README), "exec"), {})
     out = capsys.readouterr().out
     assert out.startswith("[0.3046 0.3387 0.3567]\n")
