@@ -8,6 +8,7 @@ from typing import Any
 
 from qkv._array import (
     Array,
+    as_array,
     dtype_name,
     is_bool,
     is_floating,
@@ -42,6 +43,18 @@ def check_same_dtype(arrays: Sequence[tuple[str, Array]]) -> None:
                 f"{first_name} is {dtype_name(first)} but {name} is {dtype_name(a)}: query, key "
                 "and value must share one dtype. Hint: cast them to one dtype first."
             )
+
+
+def qkv_arrays(
+    query: Any, key: Any, value: Any, *, enable_gqa: bool
+) -> tuple[Any, Array, Array, Array]:
+    """(xp, query, key, value): the inputs as arrays of one library, their shapes checked."""
+    query, key, value = (
+        as_array(a, n) for a, n in ((query, "query"), (key, "key"), (value, "value"))
+    )
+    xp = namespace([("query", query), ("key", key), ("value", value)])
+    check_qkv(query, key, value, enable_gqa=enable_gqa)
+    return xp, query, key, value
 
 
 def check_qkv(query: Array, key: Array, value: Array, *, enable_gqa: bool) -> None:

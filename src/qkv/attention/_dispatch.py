@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from qkv._array import Array, as_array, library, namespace
+from qkv._array import Array, as_array, library
 from qkv.attention import _checks
 from qkv.attention._backends import BACKENDS, BackendName, Call
 from qkv.attention._long_trace import record_partial
@@ -288,11 +288,7 @@ def make_call(
     trace: Trace | None = None,
 ) -> Call:
     """Check the arguments of :func:`scaled_dot_product_attention` and bundle them."""
-    query, key, value = (
-        as_array(a, n) for a, n in ((query, "query"), (key, "key"), (value, "value"))
-    )
-    xp = namespace([("query", query), ("key", key), ("value", value)])
-    _checks.check_qkv(query, key, value, enable_gqa=enable_gqa)
+    xp, query, key, value = _checks.qkv_arrays(query, key, value, enable_gqa=enable_gqa)
     return checked_call(
         xp,
         query,

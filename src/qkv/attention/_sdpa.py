@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from qkv._array import Array, as_array, compute_dtype, device, is_torch_namespace, namespace
+from qkv._array import Array, as_array, compute_dtype, device, is_torch_namespace
 from qkv.attention import _checks
 from qkv.attention._softmax import _softmax
 from qkv.masks import Alignment, Mask, ScoreMod, causal, draw_seed, dropout_keep
@@ -139,11 +139,7 @@ def reference_attention(
         A = softmax(S, axis=-1)          # rows with no allowed key -> 0
         return A @ value
     """
-    query, key, value = (
-        as_array(a, n) for a, n in ((query, "query"), (key, "key"), (value, "value"))
-    )
-    xp = namespace([("query", query), ("key", key), ("value", value)])
-    _checks.check_qkv(query, key, value, enable_gqa=enable_gqa)
+    xp, query, key, value = _checks.qkv_arrays(query, key, value, enable_gqa=enable_gqa)
     context, weights = attend(
         xp,
         query,

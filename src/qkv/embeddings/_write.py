@@ -6,11 +6,14 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+
 from qkv._io import write_atomic
 from qkv.embeddings._source import FORMATS
 from qkv.embeddings._vectors import Embeddings
 
 ROWS = 4096  # rows formatted at a time
+NEAR_FLOAT32_MAX = 3.4e38  # rows with a larger number are written exactly, never rounded
 
 
 def save(
@@ -98,10 +101,15 @@ def _text(embeddings: Embeddings, format: str, precision: int | None) -> Iterato
     for start in range(0, count, ROWS):
         block = embeddings.vectors[start : start + ROWS]
         words = embeddings.words[start : start + ROWS]
-        if row_format is None:  # NumPy writes the shortest text that reads back exactly
-            texts = [" ".join(row) for row in block.astype(str).tolist()]
-        else:
-            texts = [row_format % tuple(row) for row in block.tolist()]
+        exact = [" ".join(row) for row in block.astype(str).tolist()]  # shortest exact text
+        if row_format is None:
+            texts = exact
+        else:  # rounding a number this close to the float32 limit could overflow to inf
+            huge = np.abs(block).max(axis=1) > NEAR_FLOAT32_MAX
+            texts = [
+                exact[i] if huge[i] else row_format % tuple(row)
+                for i, row in enumerate(block.tolist())
+            ]
         yield "".join(f"{w} {t}{end}" for w, t in zip(words, texts, strict=True)).encode()
 
 
