@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from qkv.cli._common import Command, CommandError, emit, int_in_range
+from qkv.cli._common import Command, CommandError, add_output_options, emit
 
 _FORMATS = ("text", "markdown", "json")  # qkv.check.FORMATS, without importing it for --help
 
@@ -34,18 +34,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         default="text",
         help="text for the terminal, markdown for a page, json for programs (default: text)",
     )
-    parser.add_argument(
-        "--width",
-        type=int_in_range(40),
-        metavar="COLUMNS",
-        help="line length of the text format (default: the terminal's, 80 in a file)",
-    )
-    parser.add_argument(
-        "--output",
-        "-o",
-        metavar="FILE",
-        help="write the report to FILE instead of the terminal (atomically)",
-    )
+    add_output_options(parser, "write the report to FILE instead of the terminal (atomically)")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
@@ -18,8 +18,10 @@ __all__ = [
     "Command",
     "CommandError",
     "Parser",
+    "add_output_options",
     "emit",
     "int_in_range",
+    "refuse_options",
     "write_atomic",
 ]
 
@@ -96,6 +98,28 @@ def write_atomic(path: str | os.PathLike[str], text: str, *, option: str = "--ou
         _io.write_atomic(path, text)
     except ValueError as error:
         raise CommandError(f"{option} {error}") from None
+
+
+def add_output_options(parser: argparse.ArgumentParser, output_help: str) -> None:
+    """``--width`` and ``--output``, the options :func:`emit` reads (with ``--format``)."""
+    parser.add_argument(
+        "--width",
+        type=int_in_range(40),
+        metavar="COLUMNS",
+        help="line length of the text format (default: the terminal's, 80 in a file)",
+    )
+    parser.add_argument("--output", "-o", metavar="FILE", help=output_help)
+
+
+def refuse_options(given: Mapping[str, object], *, alongside: str, reason: str) -> None:
+    """A :class:`CommandError` for the first option of ``given`` that was set.
+
+    ``given`` maps option names to their parsed values; ``reason`` (with its hint) says why
+    they cannot be used with the option ``alongside``.
+    """
+    for option, value in given.items():
+        if value:
+            raise CommandError(f"{option} cannot be used with {alongside}: {reason}")
 
 
 def emit(

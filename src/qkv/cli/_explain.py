@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from qkv.cli._common import Command, CommandError, emit, int_in_range
+from qkv.cli._common import (
+    Command,
+    CommandError,
+    add_output_options,
+    emit,
+    int_in_range,
+    refuse_options,
+)
 from qkv.render import FORMATS, MATRIX_STEPS
 from qkv.trace import Trace
 
@@ -78,17 +85,8 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="decimals of every number (default: 4)",
     )
-    parser.add_argument(
-        "--width",
-        type=int_in_range(40),
-        metavar="COLUMNS",
-        help="line length of the text format (default: the terminal's, 80 in a file)",
-    )
-    parser.add_argument(
-        "--output",
-        "-o",
-        metavar="FILE",
-        help="write to FILE instead of the terminal (atomically: no half-written file)",
+    add_output_options(
+        parser, "write to FILE instead of the terminal (atomically: no half-written file)"
     )
     parser.add_argument(
         "--plot",
@@ -154,18 +152,17 @@ def _run(args: argparse.Namespace) -> int:
 
 def _saved_trace(args: argparse.Namespace) -> Trace:
     """The trace of ``--trace FILE``, shown as recorded (``--query`` picks one query row)."""
-    conflicts = {
-        "--example": args.example,
-        "--no-scale": args.no_scale,
-        "--causal": args.causal,
-        "--heads": args.heads,
-    }
-    for option, given in conflicts.items():
-        if given:
-            raise CommandError(
-                f"{option} cannot be used with --trace: a saved trace is shown as it was "
-                "recorded. Hint: record what you want to see, e.g. qkv.tracing(heads=[0])"
-            )
+    refuse_options(
+        {
+            "--example": args.example,
+            "--no-scale": args.no_scale,
+            "--causal": args.causal,
+            "--heads": args.heads,
+        },
+        alongside="--trace",
+        reason="a saved trace is shown as it was recorded. Hint: record what you want to see, "
+        "e.g. qkv.tracing(heads=[0])",
+    )
     try:
         trace = Trace.load(args.trace)
     except OSError as error:

@@ -13,7 +13,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from qkv.cli._common import Command, CommandError, examples_block, int_in_range
+from qkv.cli._common import (
+    Command,
+    CommandError,
+    examples_block,
+    int_in_range,
+    refuse_options,
+)
 
 GENERATED = "generated"  # qkv.train._text.GENERATED, without importing torch for --help
 
@@ -388,19 +394,17 @@ def model_trace(args: argparse.Namespace) -> Any:
             f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing. Hint: "
             "qkv explain --model runs/classify --text 'the food was great , not awful'"
         )
-    conflicts = {
-        "--example": args.example,
-        "--trace": args.trace,
-        "--no-scale": args.no_scale,
-        "--causal": args.causal,
-        "--heads": args.heads,
-    }
-    for option, given in conflicts.items():
-        if given:
-            raise CommandError(
-                f"{option} cannot be used with --model: the trained model's attention is "
-                "shown as it computes it. Hint: leave it out"
-            )
+    refuse_options(
+        {
+            "--example": args.example,
+            "--trace": args.trace,
+            "--no-scale": args.no_scale,
+            "--causal": args.causal,
+            "--heads": args.heads,
+        },
+        alongside="--model",
+        reason="the trained model's attention is shown as it computes it. Hint: leave it out",
+    )
     from qkv._extras import MissingExtraError
 
     try:
