@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 
 from qkv import masks
 from qkv.attention import reference_attention
-from qkv.kernels import tiled_attention
+from qkv.kernels import _forward, tiled_attention
 
 
 @pytest.fixture(autouse=True)
@@ -156,6 +157,57 @@ def test_tiled_equals_the_reference_in_float64(case: TiledCase) -> None:
     got = _forward_backward(tiled, case, torch.float64)
     for name, e, g in zip(("out", "dq", "dk", "dv"), exact, got, strict=True):
         np.testing.assert_allclose(g, e, rtol=0, atol=1e-11, err_msg=name)
+
+
+@settings(max_examples=30, deadline=None)
+@given(tiled_cases())
+def test_the_running_max_alone_equals_the_reference(case: TiledCase) -> None:
+    """The forward pass keeps the shift at 0 and falls back to the running max only for
+    rows far from 0; taking the fallback for every row changes nothing."""
+
+    def tiled(q: Any, k: Any, v: Any, **options: Any) -> Any:
+        return tiled_attention(q, k, v, block_q=case.block_q, block_kv=case.block_kv, **options)
+
+    exact = _forward_backward(_reference, case, torch.float64)
+    with mock.patch.object(_forward, "_MOST", -1.0):  # no sum is ever small enough
+        got = _forward_backward(tiled, case, torch.float64)
+    for name, e, g in zip(("out", "dq", "dk", "dv"), exact, got, strict=True):
+        np.testing.assert_allclose(g, e, rtol=0, atol=1e-11, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("offset", [-400.0, -90.0, -30.0, 0.0, 30.0, 70.0, 400.0])
+def test_scores_far_from_zero_give_the_same_weights(offset: float, dtype: torch.dtype) -> None:
+    """exp(score) alone would overflow or underflow far from 0 (beyond about ±40): such
+    rows take the running max, and the result is softmax's, which ignores the offset."""
+    rng = np.random.default_rng(3)
+    q, k, v = (torch.tensor(rng.normal(size=(1, 2, 40, 4))) for _ in "qkv")
+    bias = torch.tensor(rng.normal(size=(40, 40)) + offset)
+    bias[:, 1::3] = -1e4  # a mask made of a bias: far below every other score
+    scores = (q @ k.transpose(-1, -2)) / 2 + bias
+    scores = scores.masked_fill(~masks.causal().dense(40, 40, xp=torch), -torch.inf)
+    got, lse = tiled_attention(
+        *(x.to(dtype) for x in (q, k, v)),
+        bias=bias.to(dtype),
+        is_causal=True,
+        return_lse=True,
+        block_q=8,
+        block_kv=8,
+    )
+    # float32 rounds each score to about 6e-8 of its size: that much error in every weight
+    tolerance = 1e-11 if dtype == torch.float64 else 64 * EPS32 * (1 + abs(offset))
+    torch.testing.assert_close(got.double(), torch.softmax(scores, -1) @ v, rtol=0, atol=tolerance)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(scores, -1), rtol=0, atol=tolerance)
+
+
+def test_values_whose_weighted_sum_overflows_without_the_max_still_come_out_finite() -> None:
+    q, k = (torch.randn(1, 1, 16, 4) for _ in "qk")
+    v = torch.randn(1, 1, 16, 4) * 1e30
+    bias = torch.full((16, 16), 30.0)  # exp(30) · 1e30 overflows float32; softmax does not
+    got = tiled_attention(q, k, v, bias=bias, block_q=4, block_kv=4)
+    expected = reference_attention(*(x.double() for x in (q, k, v)))
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double() / 1e30, expected / 1e30, rtol=0, atol=1e-5)
 
 
 @SETTINGS

@@ -7,7 +7,7 @@ or full (no mask evaluation). Without a structure every block is partial, and th
 still skips a block whose evaluated mask turns out empty.
 
 The block sizes are chosen with a small cost model: each computed block costs its area
-(matrix products and the softmax's elementwise work) plus a fixed overhead (a dozen PyTorch
+(matrix products and the softmax's elementwise work) plus a fixed overhead (several PyTorch
 calls), so a sparse mask (a sliding window, many short documents) gets smaller blocks that
 waste less area, a dense one larger blocks with fewer calls.
 """
@@ -28,7 +28,7 @@ scores are 2 MiB, the matrix products run near their peak, and a 4096-token sequ
 16 query blocks to share among threads."""
 
 _CANDIDATES = (64, 128, 256)
-# The fixed cost of one block, in units of score elements (about a dozen PyTorch calls of
+# The fixed cost of one block, in units of score elements (6 to 12 PyTorch calls of
 # ~8 µs, against ~1 ns per score element for the products and the softmax), and the extra
 # cost of a partial block (the mask is evaluated and applied).
 _BLOCK_OVERHEAD = 100_000

@@ -28,6 +28,8 @@ LN2 = math.log(2.0)
 EXP_FLOOR = -80.0
 """Scores more than 80 below their row's maximum are raised to it before exp (see
 :meth:`BlockScores.exp_`)."""
+_NORMAL_FLOOR2 = -126.0  # 2**-126 and e**-87: the smallest normal float32 exponents
+_NORMAL_FLOOR = -87.0
 
 
 @dataclass(frozen=True)
@@ -245,6 +247,21 @@ class BlockScores:
         target = self.values if values is None else values
         clamped = target.sub_(shift).clamp_(min=EXP_FLOOR)
         weights = clamped.exp2_() if self.base2 else clamped.exp_()
+        if self.ones is not None:
+            weights.view(self.shape4).mul_(self.ones)
+        return weights
+
+    def exp_unshifted_(self, *, floor: bool) -> torch.Tensor:
+        """exp(values) (exp2 in log2 units), in place: the weights with the shift fixed at 0.
+
+        Masked scores are −inf and become exact zeros. With ``floor`` (a bias may make
+        finite scores far below 0), scores are first raised to the smallest normal float's
+        exponent, below which exp is several times slower.
+        """
+        if not floor:
+            return self.values.exp2_() if self.base2 else self.values.exp_()
+        floored = self.values.clamp_(min=_NORMAL_FLOOR2 if self.base2 else _NORMAL_FLOOR)
+        weights = floored.exp2_() if self.base2 else floored.exp_()
         if self.ones is not None:
             weights.view(self.shape4).mul_(self.ones)
         return weights

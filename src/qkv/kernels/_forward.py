@@ -1,13 +1,16 @@
 """The forward pass of the tiled kernel: each query block runs once over its key blocks.
 
-For every row it keeps the running maximum m of its scores, the running sum l of
-exp(score − m) and the running sum of exp(score − m)·v; a block that raises the maximum
-from m to m' rescales the old sums by exp(m − m'). The result is exactly softmax(S')·V,
-and the log-sum-exp ``lse = m + log l`` of each row is kept for the backward pass.
+For every row it keeps the sum l of its weights p = exp(score − m) and the sum of p·v; the
+result is exactly softmax(S')·V, and the log-sum-exp ``lse = m + log l`` of each row is kept
+for the backward pass. The shift m is first held at 0, which needs no maximum and no
+rescaling; rows whose scores sit too far from 0 for that (see :func:`_accumulate`) are done
+again with the FlashAttention update, where m is each row's running maximum and a block that
+raises it from m to m' rescales the old sums by exp(m − m').
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -97,9 +100,45 @@ def _forward_rows(
     keys: list[tuple[int, int, int]],
     buffers: Buffers,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query block against its key blocks: (context, lse) rows (Bg·Hkv, G·bq, ·)."""
+    """One query block against its key blocks: (context, lse) rows (Bg·Hkv, G·bq, ·).
+
+    First with the shift fixed at 0 (:func:`_accumulate`), which fails only for rows whose
+    scores are far from 0 (or masked whole); those blocks run again with the running max.
+    """
     kv_heads = group.k.shape[1]
     q_block = query_block(group.q, kv_heads, q0, q1, problem.scale * problem.units)
+    block = (group, index, values, q_block, q0, q1, keys, buffers)
+    if hits is None:  # non-finite values need the weights of every allowed key positive
+        found = _accumulate(problem, *block, None, running_max=False)
+        if found is not None:
+            return found
+    return _accumulate(problem, *block, hits, running_max=True)  # type: ignore[return-value]
+
+
+def _accumulate(
+    problem: Problem,
+    group: Group,
+    index: Indices,
+    values: torch.Tensor,
+    q_block: torch.Tensor,
+    q0: int,
+    q1: int,
+    keys: list[tuple[int, int, int]],
+    buffers: Buffers,
+    hits: torch.Tensor | None,
+    *,
+    running_max: bool,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The online softmax over the key blocks: (context, lse) rows, or None.
+
+    With ``running_max``, the FlashAttention update: each row's scores are shifted by their
+    running maximum m, and a block that raises it to m' rescales the sums by exp(m − m').
+    Without, the shift stays 0 (the weights are exp(s) themselves, no max, no rescaling:
+    three fewer passes over each block). That is exact while every row's sum of weights l
+    stays within [2⁻⁶⁰, 2¹⁰⁰]: no weight overflows, and a weight that underflows is below
+    2⁻⁶⁶ of the row's largest. Otherwise (or if the context overflows) it returns None,
+    checked after the first block and at the end.
+    """
     rows = q_block.shape[1]
     like = q_block
     row_max = torch.full((group.rows, rows, 1), NEG_INF, dtype=like.dtype, device=like.device)
@@ -107,20 +146,31 @@ def _forward_rows(
     acc = torch.zeros((group.rows, rows, values.shape[3]), dtype=like.dtype, device=like.device)
     reach = None if hits is None else acc.new_zeros((group.rows, rows, hits.shape[3]))
     drop_scale = 1.0 / (1.0 - problem.dropout_p)
+    first = True
     for k0, k1, kind in keys:
         out = buffers.get((group.rows, rows, k1 - k0), like)
         found = block_scores(problem, group, index, q_block, (q0, q1, k0, k1), kind, out)
         if found is None:
             continue
-        new_max = torch.maximum(row_max, found.values.amax(dim=-1, keepdim=True))
-        shift = new_max
-        if problem.masked:  # a row with no allowed key yet: shift by 0, not by −inf
-            shift = new_max.masked_fill(new_max == NEG_INF, 0.0)
-        scores = found.exp_(shift)  # the unnormalised weights p = exp(s − m), in place
-        rescale = torch.exp2(row_max - shift) if problem.base2 else torch.exp(row_max - shift)
-        # l ← l · exp(m − m') + Σ p;  acc ← acc · exp(m − m') + p·V
-        torch.addcmul(scores.sum(dim=-1, keepdim=True), row_sum, rescale, out=row_sum)
-        acc.mul_(rescale)
+        if running_max:
+            new_max = torch.maximum(row_max, found.values.amax(dim=-1, keepdim=True))
+            shift = new_max
+            if problem.masked:  # a row with no allowed key yet: shift by 0, not by −inf
+                shift = new_max.masked_fill(new_max == NEG_INF, 0.0)
+            scores = found.exp_(shift)  # the unnormalised weights p = exp(s − m), in place
+            exp = torch.exp2 if problem.base2 else torch.exp
+            rescale = exp(row_max - shift)
+            # l ← l · exp(m − m') + Σ p;  acc ← acc · exp(m − m') + p·V
+            torch.addcmul(scores.sum(dim=-1, keepdim=True), row_sum, rescale, out=row_sum)
+            acc.mul_(rescale)
+            row_max = new_max
+        else:
+            scores = found.exp_unshifted_(floor=group.bias is not None)
+            block_sum = scores.sum(dim=-1, keepdim=True)
+            if first and not bool(block_sum.amax() <= _MOST):  # large scores: give up early
+                return None
+            row_sum.add_(block_sum)
+        first = False
         if problem.keep is not None:
             keep = dropout_block(problem, index, (q0, q1, k0, k1))
             scores.view(keep.shape[0], -1, q1 - q0, k1 - k0).mul_(keep)
@@ -129,7 +179,13 @@ def _forward_rows(
             acc.baddbmm_(scores, group.values(values, k0, k1))
         if reach is not None and hits is not None:
             reach.baddbmm_((scores > 0).to(scores.dtype), kv_block(hits, k0, k1))
-        row_max = new_max
+    if not running_max:
+        in_range = (row_sum >= _LEAST) & (row_sum <= _MOST)
+        # A sum over acc is finite if acc is (one pass, unlike isfinite); if it overflows,
+        # the running max merely runs needlessly.
+        if not bool(in_range.all()) or not math.isfinite(float(acc.sum())):
+            return None
+        row_max = torch.zeros_like(row_sum)
     empty = row_sum == 0
     context = acc / row_sum.masked_fill(empty, 1.0)
     if problem.base2:  # back to natural units
@@ -139,3 +195,7 @@ def _forward_rows(
     if reach is not None:
         context = put_back_nonfinite(context, reach)
     return context, row_lse
+
+
+_LEAST = 2.0**-60
+_MOST = 2.0**100

@@ -63,8 +63,8 @@ def peak_memory(call: Callable[[], Any]) -> tuple[int, Any]:
         True
     """
     gc.collect()
-    before = resident()
     exact = _reset_peak()
+    before = resident()  # after the reset: the peak starts from this, not from a moment before
     result = call()
     peak_kib = _status_kib("VmHWM") if exact else None
     peak = peak_kib * 1024 if peak_kib is not None else _max_rss()

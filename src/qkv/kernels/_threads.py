@@ -1,7 +1,7 @@
 """Run the kernel's blocks on several threads, each doing PyTorch operations on one core.
 
 PyTorch parallelises every operation on a large tensor across its threads, with a fork and a
-join per operation; the tiled kernel makes about a dozen operations per block, so that
+join per operation; the tiled kernel makes six to a dozen operations per block, so that
 synchronisation would be paid thousands of times per call (and much worse on a busy machine,
 where a join waits for a thread the system has paused). Instead, as PyTorch's own fused CPU
 kernel does, the kernel hands out whole blocks: T threads (T = ``torch.get_num_threads()``)
