@@ -112,7 +112,9 @@ def _forward_rows(
         found = _accumulate(problem, *block, None, running_max=False)
         if found is not None:
             return found
-    return _accumulate(problem, *block, hits, running_max=True)  # type: ignore[return-value]
+    result = _accumulate(problem, *block, hits, running_max=True)
+    assert result is not None  # the running max never gives up
+    return result
 
 
 def _accumulate(
@@ -141,7 +143,8 @@ def _accumulate(
     """
     rows = q_block.shape[1]
     like = q_block
-    row_max = torch.full((group.rows, rows, 1), NEG_INF, dtype=like.dtype, device=like.device)
+    start = NEG_INF if running_max else 0.0
+    row_max = torch.full((group.rows, rows, 1), start, dtype=like.dtype, device=like.device)
     row_sum = torch.zeros((group.rows, rows, 1), dtype=like.dtype, device=like.device)
     acc = torch.zeros((group.rows, rows, values.shape[3]), dtype=like.dtype, device=like.device)
     reach = None if hits is None else acc.new_zeros((group.rows, rows, hits.shape[3]))
@@ -185,7 +188,6 @@ def _accumulate(
         # the running max merely runs needlessly.
         if not bool(in_range.all()) or not math.isfinite(float(acc.sum())):
             return None
-        row_max = torch.zeros_like(row_sum)
     empty = row_sum == 0
     context = acc / row_sum.masked_fill(empty, 1.0)
     if problem.base2:  # back to natural units
