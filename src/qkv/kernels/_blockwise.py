@@ -254,9 +254,9 @@ class BlockScores:
     def exp_unshifted_(self, *, floor: bool) -> torch.Tensor:
         """exp(values) (exp2 in log2 units), in place: the weights with the shift fixed at 0.
 
-        Masked scores are −inf and become exact zeros. With ``floor`` (a bias may make
-        finite scores far below 0), scores are first raised to the smallest normal float's
-        exponent, below which exp is several times slower.
+        Masked scores are −inf and become exact zeros. With ``floor`` (a bias or a score
+        modifier such as ALiBi may put finite scores far below 0), scores are first raised
+        to the smallest normal float's exponent, below which exp is several times slower.
         """
         if not floor:
             return self.values.exp2_() if self.base2 else self.values.exp_()

@@ -168,7 +168,8 @@ def _accumulate(
             acc.mul_(rescale)
             row_max = new_max
         else:
-            scores = found.exp_unshifted_(floor=group.bias is not None)
+            far = group.bias is not None or problem.score_mod is not None  # may be ≪ 0
+            scores = found.exp_unshifted_(floor=far)
             block_sum = scores.sum(dim=-1, keepdim=True)
             if first and not bool(block_sum.amax() <= _MOST):  # large scores: give up early
                 return None
