@@ -7,10 +7,8 @@ import doctest
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 
 from qkv.cli import _bench, main
 from qkv.kernels import _suite
@@ -28,12 +26,7 @@ TINY = _suite.Settings(
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_the_kernels_page_runs_as_written() -> None:

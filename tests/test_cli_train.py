@@ -23,12 +23,7 @@ TINY_RECALL = ["--pairs", "3", "--d-model", "16", "--heads", "2", "--validation-
                "--steps", "6", "--eval-every", "3", "--quiet"]  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: Any) -> tuple[int, str, str]:

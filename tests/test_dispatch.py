@@ -21,14 +21,7 @@ from .strategies import Case, cases
 TOL = 1e-12  # float64: the backends differ from the reference by rounding only
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Any:
-    """Tests run side by side (pytest -n 2): one PyTorch thread each keeps the cores from
-    being oversubscribed, which makes many small parallel operations very slow."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 SETTINGS = settings(max_examples=40, deadline=None)

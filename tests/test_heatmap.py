@@ -17,6 +17,8 @@ import qkv
 from qkv import examples, render
 from qkv._extras import MissingExtraError
 
+from .traces import two_layers
+
 ROOT = Path(__file__).resolve().parent.parent
 SVG_NS = "{http://www.w3.org/2000/svg}"
 
@@ -28,18 +30,6 @@ def panels_in_svg(svg: str) -> list[str]:
 def svg_texts(svg: str) -> list[str]:
     root = ET.fromstring(svg)
     return ["".join(node.itertext()) for node in root.iter(f"{SVG_NS}text")]
-
-
-def two_layers() -> qkv.Trace:
-    rng = np.random.default_rng(0)
-    trace = qkv.Trace(tokens=["a", "b", "c"])
-    for layer in ("blocks.0.attn", "blocks.1.attn"):
-        weights = rng.dirichlet(np.ones(3), size=(2, 3))
-        trace.record(
-            "weights", weights, formula="A", description="", axes=("head", "query", "key"),
-            layer=layer,
-        )  # fmt: skip
-    return trace
 
 
 def test_png_has_one_panel_per_head_and_the_expected_size(tmp_path: Path) -> None:

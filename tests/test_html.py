@@ -20,6 +20,8 @@ from qkv import examples, render
 from qkv.cli import main
 from qkv.render._html import page_data
 
+from .traces import two_layers
+
 ASSETS = Path(render.__file__).parent / "assets"
 HOSTILE = [
     "<script>alert(1)</script>",
@@ -49,18 +51,6 @@ def steps_of(call: dict[str, Any], head: int | None = None) -> dict[str, dict[st
         if section["head"] is None or section["head"] == head
         for step in section["steps"]
     }
-
-
-def two_layers() -> qkv.Trace:
-    rng = np.random.default_rng(0)
-    trace = qkv.Trace(tokens=["a", "b", "c"])
-    for layer in ("blocks.0.attn", "blocks.1.attn"):
-        weights = rng.dirichlet(np.ones(3), size=(2, 3))
-        trace.record(
-            "weights", weights, formula="A", description="", axes=("head", "query", "key"),
-            layer=layer,
-        )  # fmt: skip
-    return trace
 
 
 # -- the page -----------------------------------------------------------------------------

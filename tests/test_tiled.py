@@ -17,15 +17,7 @@ from qkv import masks
 from qkv.attention import reference_attention
 from qkv.kernels import _forward, tiled_attention
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Any:
-    """Tests run side by side (pytest -n 2): one PyTorch thread each keeps the cores from
-    being oversubscribed, which makes many small parallel operations very slow."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 SETTINGS = settings(max_examples=60, deadline=None)

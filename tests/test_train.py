@@ -26,13 +26,7 @@ from qkv.train import (
 from qkv.train._tasks import PAD, UNK, ClassifyTask, encode_texts
 from qkv.train._text import generated_texts, split_rows
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # -- reading texts --------------------------------------------------------------------------

@@ -28,12 +28,7 @@ from qkv.train import _checkpoint as checkpoint_module
 TINY: dict[str, Any] = {"sentences": 80, "embedding_dim": 8, "num_heads": 2}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _classify(out: Path, *, steps: int = 8, stop: int | None = None, **options: Any):

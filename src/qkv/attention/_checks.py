@@ -16,7 +16,7 @@ from qkv._array import (
     namespace,
     shape_str,
 )
-from qkv.masks import Mask, ScoreMod, check_alignment, score_function
+from qkv.masks import Mask, check_alignment
 
 
 def check_floating(x: Array, name: str) -> None:
@@ -213,16 +213,3 @@ def check_positive_int(value: Any, name: str, hint: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}. Hint: {hint}")
     return value
-
-
-def check_score_mod(score_mod: Any) -> Any:
-    """A ScoreMod, a plain function (wrapped) or None."""
-    if score_mod is None or isinstance(score_mod, ScoreMod):
-        return score_mod
-    if callable(score_mod):
-        return score_function(score_mod)
-    raise TypeError(
-        f"score_mod must be a qkv.masks.ScoreMod or a function (score, b, h, q_idx, kv_idx) "
-        f"-> score, got {type(score_mod).__name__}. Hint: qkv.masks.softcap(30.0), or "
-        "lambda score, b, h, q, kv: score - (q - kv).abs() * 0.1."
-    )

@@ -20,6 +20,7 @@ from qkv.attention._backends import BACKENDS, BackendName, Call
 from qkv.attention._long_trace import record_partial
 from qkv.attention._sdpa import default_lead_axes
 from qkv.masks import Alignment, Mask, ScoreMod, draw_seed
+from qkv.masks._scores import as_score_mod
 from qkv.trace import Trace, resolve
 
 __all__ = [
@@ -334,7 +335,7 @@ def checked_call(
     _checks.check_mask(mask, query, scores_shape)
     bias = None if bias is None else as_array(bias, "bias")
     _checks.check_bias(bias, query, scores_shape)
-    score = _checks.check_score_mod(score_mod)
+    score = as_score_mod(score_mod)
     seed = None
     if dropout_p > 0:
         seed = draw_seed(generator, torch_inputs=library(query) == "torch")

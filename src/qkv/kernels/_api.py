@@ -10,7 +10,8 @@ import torch
 
 from qkv.kernels._blocks import plan_blocks
 from qkv.kernels._tiled import Problem, tiled_function
-from qkv.masks import Mask, ScoreMod, causal, draw_seed, dropout_keep, score_function
+from qkv.masks import Mask, ScoreMod, causal, draw_seed, dropout_keep
+from qkv.masks._scores import as_score_mod
 
 __all__ = ["as_score_mod", "tiled_attention"]
 
@@ -130,18 +131,6 @@ def _all_finite(*tensors: torch.Tensor | None) -> bool:
         if t is not None and not math.isfinite(summed) and not bool(torch.isfinite(t).all()):
             return False
     return True
-
-
-def as_score_mod(score_mod: ScoreMod | Callable[..., Any] | None) -> ScoreMod | None:
-    """A ScoreMod from a ScoreMod or a plain ``fn(score, b, h, q_idx, kv_idx)``."""
-    if score_mod is None or isinstance(score_mod, ScoreMod):
-        return score_mod
-    if callable(score_mod):
-        return score_function(score_mod)
-    raise TypeError(
-        f"score_mod must be a qkv.masks.ScoreMod or a function (score, b, h, q_idx, kv_idx) "
-        f"-> score, got {type(score_mod).__name__}. Hint: qkv.masks.softcap(30.0)."
-    )
 
 
 def _four_dims(x: torch.Tensor, name: str) -> torch.Tensor:

@@ -245,11 +245,7 @@ class BlockScores:
         multiplied by 0.
         """
         target = self.values if values is None else values
-        clamped = target.sub_(shift).clamp_(min=EXP_FLOOR)
-        weights = clamped.exp2_() if self.base2 else clamped.exp_()
-        if self.ones is not None:
-            weights.view(self.shape4).mul_(self.ones)
-        return weights
+        return self._exp_(target.sub_(shift), EXP_FLOOR)
 
     def exp_unshifted_(self, *, floor: bool) -> torch.Tensor:
         """exp(values) (exp2 in log2 units), in place: the weights with the shift fixed at 0.
@@ -258,11 +254,16 @@ class BlockScores:
         modifier such as ALiBi may put finite scores far below 0), scores are first raised
         to the smallest normal float's exponent, below which exp is several times slower.
         """
-        if not floor:
-            return self.values.exp2_() if self.base2 else self.values.exp_()
-        floored = self.values.clamp_(min=_NORMAL_FLOOR2 if self.base2 else _NORMAL_FLOOR)
-        weights = floored.exp2_() if self.base2 else floored.exp_()
-        if self.ones is not None:
+        lowest = _NORMAL_FLOOR2 if self.base2 else _NORMAL_FLOOR
+        return self._exp_(self.values, lowest if floor else None)
+
+    def _exp_(self, x: torch.Tensor, floor: float | None) -> torch.Tensor:
+        """exp(x) in place; with a floor, x is first raised to it and masked weights (no
+        longer exp(−inf) = 0) are then set to 0."""
+        if floor is not None:
+            x.clamp_(min=floor)
+        weights = x.exp2_() if self.base2 else x.exp_()
+        if floor is not None and self.ones is not None:
             weights.view(self.shape4).mul_(self.ones)
         return weights
 

@@ -149,6 +149,8 @@ def _accumulate(
     acc = torch.zeros((group.rows, rows, values.shape[3]), dtype=like.dtype, device=like.device)
     reach = None if hits is None else acc.new_zeros((group.rows, rows, hits.shape[3]))
     drop_scale = 1.0 / (1.0 - problem.dropout_p)
+    exp = torch.exp2 if problem.base2 else torch.exp
+    far = group.bias is not None or problem.score_mod is not None  # scores may be ≪ 0
     first = True
     for k0, k1, kind in keys:
         out = buffers.get((group.rows, rows, k1 - k0), like)
@@ -161,14 +163,12 @@ def _accumulate(
             if problem.masked:  # a row with no allowed key yet: shift by 0, not by −inf
                 shift = new_max.masked_fill(new_max == NEG_INF, 0.0)
             scores = found.exp_(shift)  # the unnormalised weights p = exp(s − m), in place
-            exp = torch.exp2 if problem.base2 else torch.exp
             rescale = exp(row_max - shift)
             # l ← l · exp(m − m') + Σ p;  acc ← acc · exp(m − m') + p·V
             torch.addcmul(scores.sum(dim=-1, keepdim=True), row_sum, rescale, out=row_sum)
             acc.mul_(rescale)
             row_max = new_max
         else:
-            far = group.bias is not None or problem.score_mod is not None  # may be ≪ 0
             scores = found.exp_unshifted_(floor=far)
             block_sum = scores.sum(dim=-1, keepdim=True)
             if first and not bool(block_sum.amax() <= _MOST):  # large scores: give up early

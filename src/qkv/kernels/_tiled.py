@@ -10,16 +10,11 @@ every row
     acc  the running sum of exp(score − m) · v    (the context, not yet divided by l)
 
 When a new block raises the maximum from m to m', the old sums are multiplied by
-exp(m − m'), so the result is exactly softmax(S')·V, computed in one pass. The kernel keeps
-only the output and the log-sum-exp ``lse = m + log l`` of each row; the backward pass
-recomputes each block's weights from them as ``exp(S' − lse)``.
-
-Layout (one matrix product serves every head of the batch, and the query heads that share a
-key/value head, GQA, are stacked along the rows):
-
-    query (B, H, Lq, D) → block (B·Hkv, G·bq, D)        G = H / Hkv
-    key   (B, Hkv, Lk, D) → block (B·Hkv, bk, D)
-    scores block (B·Hkv, G·bq, bk) = a view (B, H, bq, bk) for masks and score modifiers
+exp(m − m'), so the result is exactly softmax(S')·V, computed in one pass. (The forward pass
+first holds m at 0 and takes the running maximum only for the query blocks that need it:
+:mod:`qkv.kernels._forward`.) The kernel keeps only the output and the log-sum-exp
+``lse = m + log l`` of each row; the backward pass recomputes each block's weights from them
+as ``exp(S' − lse)``. The layout of the blocks: :mod:`qkv.kernels._blockwise`.
 """
 
 from __future__ import annotations

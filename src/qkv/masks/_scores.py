@@ -83,6 +83,20 @@ def score_function(
     )
 
 
+def as_score_mod(score_mod: ScoreMod | Callable[..., Any] | None) -> ScoreMod | None:
+    """A ScoreMod from a ScoreMod or a plain ``fn(score, b, h, q_idx, kv_idx)`` (None stays
+    None); anything else is a TypeError that says what was expected."""
+    if score_mod is None or isinstance(score_mod, ScoreMod):
+        return score_mod
+    if callable(score_mod):
+        return score_function(score_mod)
+    raise TypeError(
+        f"score_mod must be a qkv.masks.ScoreMod or a function (score, b, h, q_idx, kv_idx) "
+        f"-> score, got {type(score_mod).__name__}. Hint: qkv.masks.softcap(30.0), or "
+        "lambda score, b, h, q, kv: score - (q - kv).abs() * 0.1."
+    )
+
+
 def alibi(slopes: int | Sequence[float], *, alignment: Alignment = "bottom-right") -> ScoreMod:
     """ALiBi (Press et al. 2022) as a score modifier: ``score − m_h · |(i + offset) − j|``.
 
