@@ -149,6 +149,14 @@ def _sdpa_refusal(call: Call, auto: bool) -> str | None:
         return "a score_mod: torch takes only a mask and an additive bias"
     if call.bias is not None and getattr(call.bias, "requires_grad", False):
         return "a bias that needs a gradient"
+    if call.bias is not None and _needs_grad(call):
+        from qkv.kernels import huge_bias
+
+        if huge_bias(call.bias):
+            return (
+                "a bias beyond ±65536 (such as finfo.min for blocked keys) and a gradient: "
+                "torch's backward is wrong on rows whose keys are all blocked"
+            )
     from qkv.kernels import dense_mask_elements
 
     q4, k4 = _four(call.query, call.lead), _four(call.key, call.lead)
@@ -164,6 +172,14 @@ def _sdpa_refusal(call: Call, auto: bool) -> str | None:
         kind = "mask and bias" if call.bias is not None else "mask"
         return f"would need a dense {kind} array of {elements:,} elements"
     return None
+
+
+def _needs_grad(call: Call) -> bool:
+    import torch
+
+    return torch.is_grad_enabled() and any(
+        getattr(x, "requires_grad", False) for x in (call.query, call.key, call.value)
+    )
 
 
 def _run_sdpa(call: Call) -> tuple[Array, Array | None]:
@@ -182,9 +198,11 @@ def _run_sdpa(call: Call) -> tuple[Array, Array | None]:
     if call.masked or call.bias is not None:
         import torch
 
-        if not bool(torch.isfinite(out).all()):
-            # torch lets a NaN or ±inf of a masked-out key reach every output; redo the call
-            # with the tiled kernel, which keeps them out (qkv's policy).
+        finite_in = torch.isfinite(call.query).all() & torch.isfinite(call.key).all()
+        if not bool(torch.isfinite(out).all() & finite_in):
+            # torch lets a NaN or ±inf of a masked-out key reach every output (and its
+            # gradient), and gives zeros to a row whose scores are all NaN; redo the call with
+            # the tiled kernel, which keeps masked NaN out and lets live NaN through.
             return _run_tiled(call)
     return _three(out, call.lead), None
 

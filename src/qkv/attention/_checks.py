@@ -91,7 +91,9 @@ def check_qkv(query: Array, key: Array, value: Array, *, enable_gqa: bool) -> No
         if x.shape[-2] == 0:
             raise ValueError(
                 f"{name} is an empty sequence ({what} = 0, shape {shape_str(x.shape)}). "
-                "Hint: attention needs at least one query and one key."
+                "Hint: attention needs at least one query and one key (torch returns an "
+                "empty or zero result here; qkv takes an empty sequence for a mistake upstream, "
+                "such as an empty tokenization)."
             )
     if key.shape[:-2] != value.shape[:-2]:
         raise ValueError(

@@ -40,16 +40,19 @@ class Dispatch:
     """The backend chosen for a call and why: what :func:`explain_dispatch` returns.
 
     Attributes:
-        backend: the backend that runs.
+        backend: the backend that runs; ``"none"`` when the requested one cannot.
         requested: what was asked (``"auto"`` or a backend's name).
         reasons: (backend, why it runs or why not), one per registered backend.
         notes: other facts of the run (a partial trace, the NaN check of SDPA, ...).
+        refusal: why the requested backend cannot run the call (the call would raise
+            ValueError), or None.
     """
 
     backend: str
     requested: str
     reasons: tuple[tuple[str, str], ...]
     notes: tuple[str, ...] = field(default=())
+    refusal: str | None = None
 
     def __str__(self) -> str:
         """A short report that fits 80 columns."""
@@ -100,7 +103,25 @@ def choose(call: Call, requested: str) -> str:
 
 
 def decide(call: Call, requested: str) -> Dispatch:
-    """The backend for ``call``, as :func:`choose` picks it, with every backend's reason."""
+    """The backend for ``call``, as :func:`choose` picks it, with every backend's reason.
+
+    A requested backend that cannot run the call gives a Dispatch with backend ``"none"``
+    and the reason in ``refusal`` (running the call raises ValueError).
+    """
+    if requested != "auto" and requested in BACKENDS:
+        refused = BACKENDS[requested].refusal(call, False)
+        if refused is not None:
+            reasons_of = {n: _refused_or_not(b.refusal(call, False)) for n, b in BACKENDS.items()}
+            return Dispatch(
+                "none",
+                requested,
+                tuple(reasons_of.items()),
+                (
+                    f"backend={requested!r} would raise ValueError; backend='auto' picks one "
+                    "that can run the call",
+                ),
+                refused,
+            )
     chosen = choose(call, requested)
     reasons: dict[str, str] = {}
     if requested != "auto":
@@ -122,8 +143,31 @@ def decide(call: Call, requested: str) -> Dispatch:
         notes.append(_trace_note(call))
     if chosen == "sdpa" and (call.masked or call.bias is not None):
         notes.append("sdpa's output is checked for NaN/inf; if any, the tiled kernel redoes it")
+    if call.is_causal and call.mask is not None:
+        notes.append(
+            "is_causal=True and mask= are combined: a key is attended only where both allow "
+            "it (torch's SDPA raises instead)"
+        )
+    half = _half_name(call)
+    if half is not None:
+        notes.append(_half_note(chosen, half))
     ordered = tuple((name, reasons[name]) for name in BACKENDS)
     return Dispatch(chosen, requested, ordered, tuple(notes))
+
+
+def _half_name(call: Call) -> str | None:
+    """ "float16" or "bfloat16" for half-precision inputs, else None."""
+    name = str(call.query.dtype).removeprefix("torch.")
+    return name if name in ("float16", "bfloat16") else None
+
+
+def _half_note(chosen: str, half: str) -> str:
+    if chosen == "sdpa":
+        return (
+            f"{half}: given to torch's fused kernel as {half} (it accumulates in float32 but "
+            f"rounds the weights to {half}); backend='tiled' or 'reference' compute in float32"
+        )
+    return f"{half}: computed in float32 and the result rounded to {half}"
 
 
 def _auto(call: Call, refusals: dict[str, str | None]) -> tuple[str, str]:
@@ -141,7 +185,7 @@ def _auto(call: Call, refusals: dict[str, str | None]) -> tuple[str, str]:
     for name in ("sdpa", "tiled"):
         if refusals[name] is None:
             return name, _why_fast(call, name)
-    if refusals["reference"] is None:
+    if refusals["reference"] is None or BACKENDS["reference"].refusal(call, False) is None:
         return "reference", "the fast backends refuse this call"
     raise ValueError(
         "no backend can run this call: "
@@ -201,7 +245,10 @@ def scaled_dot_product_attention(
     Every backend computes the same function as the readable reference
     (:func:`qkv.attention.reference_attention`, tested in float64 against each of them).
     NumPy arrays give NumPy results, PyTorch tensors give tensors on the same device and
-    dtype; float16 and bfloat16 are computed in float32.
+    dtype. float16 and bfloat16 are computed in float32 by the reference and the tiled
+    kernel; the sdpa backend hands them to torch's fused kernel as they are (its weights are
+    rounded to the half type; ``explain_dispatch`` notes which applies). Inputs of more than
+    four dimensions run on the reference; a batch of size 0 gives an empty result.
 
     Args:
         query: (..., H, Lq, D), or (Lq, D) for a single head.

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from qkv._array import Array, as_array, namespace, shape_str
+from qkv._array import Array, as_array, is_torch_namespace, namespace, shape_str
 from qkv.attention import _checks
 from qkv.attention._backends import BackendName
 from qkv.attention._dispatch import checked_call, run_call
@@ -143,9 +143,9 @@ def multi_head_attention(
     for name, w in (("W_q", W_q), ("W_k", W_k), ("W_v", W_v)):
         record(name, w, ("model", "feature"), batched=False)
 
-    q = _project(xp, x, W_q, b_q)  # (..., Lq, H·D)
-    k = _project(xp, source, W_k, b_k)  # (..., Lk, Hkv·D)
-    v = _project(xp, source, W_v, b_v)  # (..., Lk, Hkv·Dv)
+    q = _project(xp, x, W_q, b_q, "Q = x·W_q")  # (..., Lq, H·D)
+    k = _project(xp, source, W_k, b_k, "K = x·W_k")  # (..., Lk, Hkv·D)
+    v = _project(xp, source, W_v, b_v, "V = x·W_v")  # (..., Lk, Hkv·Dv)
     q = split_heads(xp, q, heads)  # (..., H, Lq, D)
     k = split_heads(xp, k, kv_heads)  # (..., Hkv, Lk, D)
     v = split_heads(xp, v, kv_heads)  # (..., Hkv, Lk, Dv)
@@ -183,7 +183,7 @@ def multi_head_attention(
         record("concat", out, ("query", "feature"))
     if W_o is not None:
         record("W_o", W_o, ("feature", "model"), batched=False)
-        out = _project(xp, out, W_o, b_o)  # (..., Lq, Eo)
+        out = _project(xp, out, W_o, b_o, "output = concat·W_o")  # (..., Lq, Eo)
         record("output", out, ("query", "model"))
     if trace is not None:
         trace.meta["d_model"] = int(x.shape[-1])
@@ -248,9 +248,27 @@ def self_attention(
     return out, weights
 
 
-def _project(xp: Any, x: Array, w: Array, b: Array | None) -> Array:
-    out = xp.matmul(x, w)
-    return out if b is None else out + b
+def _project(xp: Any, x: Array, w: Array, b: Array | None, what: str) -> Array:
+    """x·W (+ b). With NumPy, a product that overflows from finite inputs is a ValueError
+    naming the step (PyTorch inputs are not checked: that would read every output twice)."""
+    if is_torch_namespace(xp):
+        out = xp.matmul(x, w)
+        return out if b is None else out + b
+    import numpy as np
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = xp.matmul(x, w)
+        out = out if b is None else out + b
+    if not bool(xp.all(xp.isfinite(out))):
+        inputs = (x, w) if b is None else (x, w, b)
+        if all(bool(xp.all(xp.isfinite(a))) for a in inputs):
+            raise ValueError(
+                f"{what} overflowed {out.dtype}: finite inputs (largest |entries| "
+                f"{float(xp.max(xp.abs(x))):.3g} and {float(xp.max(xp.abs(w))):.3g}) give ±inf "
+                "or NaN. Hint: rescale the embeddings or the weights so that the products stay "
+                "well below the dtype's maximum; qkv refuses rather than return NaN."
+            )
+    return out
 
 
 def _check_projections(

@@ -216,25 +216,33 @@ def attend(
         record(name, x, axes, formula=formulas.get(name), kv=name != "Q")
 
     # Grouped-query attention: query head h uses key/value head h // group.
-    group = query.shape[-3] // key.shape[-3] if query.ndim >= 3 else 1
+    group = query.shape[-3] // key.shape[-3] if query.ndim >= 3 and key.shape[-3] else 1
     if group > 1:
         k = xp.repeat(k, group, axis=-3)  # (..., H, Lk, D)
         v = xp.repeat(v, group, axis=-3)  # (..., H, Lk, Dv)
 
-    scores = xp.matmul(q, xp.matrix_transpose(k))  # (..., H, Lq, Lk)
+    allowed = _allowed(
+        xp, mask, is_causal, causal_alignment, lead, scores_shape, device(query), positions
+    )
+    scores = _scores(xp, q, k, masked=allowed is not None)  # (..., H, Lq, Lk)
     record("scores", scores, ("query", "key"))
-    scaled = scores * scale_value
+    with _quiet(xp):
+        scaled = scores * scale_value
+    operands = (("query", q), ("key", k))
+    _check_overflow(xp, scaled, allowed, "the scaled scores Q·Kᵀ × scale", operands, scale_value)
     record("scaled", scaled, ("query", "key"), formula=scale_formula(scale, d_k))
     if bias is not None:
-        scaled = scaled + xp.astype(bias, dtype)
+        before = scaled
+        with _quiet(xp):
+            scaled = scaled + xp.astype(bias, dtype)
+        if not bool(xp.all(xp.isfinite(scaled))):
+            named = (("scaled score", before), ("bias", bias))
+            _check_overflow(xp, scaled, allowed, "the scaled scores plus the bias", named)
         record("bias", scaled, ("query", "key"))
     if score_mod is not None:
         scaled = _evaluate(xp, score_mod, lead, scores_shape, device(query), positions, scaled)
         record("bias", scaled, ("query", "key"), formula=f"S' = {score_mod!r}(S')")
 
-    allowed = _allowed(
-        xp, mask, is_causal, causal_alignment, lead, scores_shape, device(query), positions
-    )
     if allowed is not None:
         scaled = xp.where(allowed, scaled, xp.asarray(-xp.inf, dtype=dtype, device=device(q)))
         record("masked", scaled, ("query", "key"))
@@ -267,6 +275,70 @@ def attend(
         if score_mod is not None:
             trace.meta["score_mod"] = repr(score_mod)
     return xp.astype(context, out_dtype), xp.astype(weights, out_dtype)
+
+
+def _scores(xp: Any, q: Array, k: Array, *, masked: bool) -> Array:
+    """S = Q·Kᵀ, (..., H, Lq, Lk).
+
+    With a mask, a NaN or ±inf entry of a query or key must not reach the gradient through a
+    masked-out pair: dQ = dS·K has dS = 0 there, but 0 · NaN is NaN. The scores are then
+    computed with those entries replaced by 0, and the pairs that involve them take their
+    true score with no gradient (as in the tiled kernel): a live NaN still gives NaN.
+    """
+    with _quiet(xp):
+        scores = xp.matmul(q, xp.matrix_transpose(k))
+    if not masked:
+        return scores
+    q_ok = xp.all(xp.isfinite(q), axis=-1, keepdims=True)  # (..., Lq, 1)
+    k_ok = xp.all(xp.isfinite(k), axis=-1, keepdims=True)  # (..., Lk, 1)
+    if bool(xp.all(q_ok)) and bool(xp.all(k_ok)):
+        return scores
+    zero = xp.zeros_like(q[..., :1, :1])
+    clean_q = xp.where(xp.isfinite(q), q, zero)
+    clean_k = xp.where(xp.isfinite(k), k, zero)
+    clean = xp.matmul(clean_q, xp.matrix_transpose(clean_k))
+    both = q_ok & xp.matrix_transpose(k_ok)  # (..., Lq, Lk)
+    true = scores.detach() if hasattr(scores, "detach") else scores
+    return xp.where(both, clean, true)
+
+
+def _quiet(xp: Any) -> Any:
+    """NumPy's overflow warnings off: :func:`_check_overflow` says it in one line instead."""
+    import contextlib
+
+    if is_torch_namespace(xp):
+        return contextlib.nullcontext()
+    import numpy as np
+
+    return np.errstate(over="ignore", invalid="ignore")
+
+
+def _check_overflow(
+    xp: Any,
+    scores: Array,
+    allowed: Array | None,
+    what: str,
+    operands: tuple[tuple[str, Array], ...],
+    scale: float | None = None,
+) -> None:
+    """ValueError when finite operands gave a score of ±inf or NaN (on an allowed pair)."""
+    bad = ~xp.isfinite(scores)
+    if allowed is not None:
+        bad = bad & allowed
+    if not bool(xp.any(bad)) or not all(bool(xp.all(xp.isfinite(x))) for _, x in operands):
+        return
+    largest = ", ".join(f"|{name}| ≤ {float(xp.max(xp.abs(x))):.3g}" for name, x in operands)
+    scaled = "" if scale is None else f", scale = {scale:.3g}"
+    raise ValueError(
+        f"{what} overflowed {_dtype_word(scores)}: finite inputs ({largest}{scaled}) give "
+        "±inf or NaN scores, so the weights would be NaN. Hint: "
+        "rescale query and key (or the scale) so that q·k × scale stays well below the "
+        "dtype's maximum; qkv refuses rather than return NaN."
+    )
+
+
+def _dtype_word(x: Array) -> str:
+    return str(x.dtype).removeprefix("torch.")
 
 
 def scale_formula(scale: float | None, d_k: int) -> str:

@@ -13,7 +13,7 @@ choice (:func:`qkv.explain_dispatch`). This package needs PyTorch (``pip install
 'qkv[torch]'``).
 """
 
-from qkv.kernels._api import as_score_mod, tiled_attention
+from qkv.kernels._api import as_score_mod, huge_bias, tiled_attention
 from qkv.kernels._blocks import BlockPlan, plan_blocks
 from qkv.kernels._sdpa import dense_mask_elements, sdpa_attention
 
@@ -21,6 +21,7 @@ __all__ = [
     "BlockPlan",
     "as_score_mod",
     "dense_mask_elements",
+    "huge_bias",
     "plan_blocks",
     "sdpa_attention",
     "tiled_attention",

@@ -13,7 +13,7 @@ from qkv.kernels._tiled import Problem, tiled_function
 from qkv.masks import Mask, ScoreMod, causal, draw_seed, dropout_keep
 from qkv.masks._scores import as_score_mod
 
-__all__ = ["as_score_mod", "tiled_attention"]
+__all__ = ["HUGE_BIAS", "as_score_mod", "huge_bias", "tiled_attention"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -79,6 +79,8 @@ def tiled_attention(
     batch, heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     dtype = query.dtype
+    if batch == 0 or heads == 0:  # nothing to compute: an empty result, as torch gives
+        return _empty(query, key, value, bias, return_lse)
     compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     q, k, v = (x.to(compute).contiguous() for x in (query, key, value))
 
@@ -106,6 +108,7 @@ def tiled_attention(
         keep = dropout_keep(dropout_p, draw_seed(generator, torch_inputs=True))
     masked = rule is not None or dense is not None
     exact = masked and (score_mod is not None or not _all_finite(q, k, bias))
+    huge = bias is not None and huge_bias(bias)
     problem = Problem(
         scale=1.0 / math.sqrt(dim) if scale is None else float(scale),
         rule=rule,
@@ -116,9 +119,44 @@ def tiled_attention(
         plan=plan,
         skip=skip_blocks,
         exact_masking=exact,
+        huge=huge,
     )
     out, lse = tiled_function(q, k, v, bias, problem)
     out = out.to(dtype)
+    return (out, lse) if return_lse else out
+
+
+HUGE_BIAS = 2.0**16
+"""A bias with a finite entry beyond ±this (transformers' "blocked" −3.4e38, a −1e9 mask) is
+added in natural units, and each row's maximum is kept apart from its log-sum
+(:attr:`qkv.kernels._blockwise.Problem.huge`)."""
+
+
+def huge_bias(bias: torch.Tensor) -> bool:
+    """Whether a finite entry of ``bias`` lies beyond ±:data:`HUGE_BIAS` (one pass over the
+    bias, two when it holds ±inf or NaN)."""
+    with torch.no_grad():
+        if bias.numel() == 0 or bool(bias.abs().amax() <= HUGE_BIAS):
+            return False
+        finite = torch.where(torch.isfinite(bias), bias.abs(), 0.0)
+        return bool(finite.amax() > HUGE_BIAS)
+
+
+def _empty(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bias: torch.Tensor | None,
+    return_lse: bool,
+) -> Any:
+    """The result of a call with no batch element or no head: empty, but part of the graph
+    (its gradients are empty too)."""
+    batch, heads, q_len = query.shape[:3]
+    out = query.new_zeros((batch, heads, q_len, value.shape[3]))
+    inputs = [query, key, value] + ([] if bias is None else [bias])
+    if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
+        out = out + sum(x.sum() * 0 for x in inputs)
+    lse = query.new_full((batch, heads, q_len), -math.inf)
     return (out, lse) if return_lse else out
 
 
@@ -162,7 +200,7 @@ def _check(query: Any, key: Any, value: Any) -> None:
             f"shapes do not fit: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
             f"{tuple(value.shape)}. Hint: (B, H, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv)."
         )
-    if b != bk or hkv == 0 or h % hkv:
+    if b != bk or (hkv == 0 and h != 0) or (hkv and h % hkv):
         raise ValueError(
             f"query has {h} heads and batch {b}, key {hkv} heads and batch {bk}: the batch "
             "must agree and Hkv must divide H (grouped-query attention)."

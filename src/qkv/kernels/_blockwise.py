@@ -50,6 +50,12 @@ class Problem:
         exact_masking: replace masked scores by −inf (``masked_fill``), needed when a
             masked score may be NaN or ±inf (non-finite query, key or bias, or a score
             modifier); otherwise a 0/−inf block is added, which is many times faster.
+        huge: the bias has finite entries beyond ±HUGE_BIAS (a "blocked" −3.4e38, −1e9): the
+            scores are kept in natural units (they must round as the reference's do, and
+            would overflow times log2 e), and the forward keeps each row's maximum m apart
+            from its log-sum log l (m + log l loses log l when |m| is huge).
+        row_shift: the backward pass of a ``huge`` call: each row's m, (B, H, Lq, 1),
+            subtracted from the biased scores before exp(S' − m − log l).
     """
 
     scale: float
@@ -61,13 +67,15 @@ class Problem:
     plan: BlockPlan
     skip: bool = True
     exact_masking: bool = False
+    huge: bool = False
+    row_shift: torch.Tensor | None = None
 
     @property
     def base2(self) -> bool:
         """Scores are kept in units of log2 (multiplied by log2 e) and exponentiated with
         exp2, about twice as fast as exp on CPUs; not with a score modifier, which sees
-        the scores in their own units."""
-        return self.score_mod is None
+        the scores in their own units, nor with a ``huge`` bias."""
+        return self.score_mod is None and not self.huge
 
     @property
     def units(self) -> float:
@@ -107,6 +115,7 @@ class Group:
     bias: torch.Tensor | None  # broadcasts to (Bg, H, Lq, Lk)
     mask: torch.Tensor | None  # broadcasts to (Bg, H, Lq, Lk)
     kinds: Any  # (nq, nk) numpy int8
+    shift: torch.Tensor | None = None  # the row shift, (Bg, H, Lq, 1) (backward, huge bias)
     views: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -164,8 +173,9 @@ def split_groups(
     bias = None if bias is None else bias.expand(*bias.shape[:2], lq, lk)
     mask = problem.dense_mask
     mask = None if mask is None else mask.expand(*mask.shape[:2], lq, lk)
+    shift = problem.row_shift
     if not plan.per_batch:
-        return [Group(0, q, k, v, bias, mask, plan.kinds_for(0))]
+        return [Group(0, q, k, v, bias, mask, plan.kinds_for(0), shift)]
 
     def pick(x: torch.Tensor | None, b: int) -> torch.Tensor | None:
         return None if x is None else (x[b : b + 1] if x.shape[0] > 1 else x)
@@ -179,6 +189,7 @@ def split_groups(
             pick(bias, b),
             pick(mask, b),
             plan.kinds_for(b),
+            pick(shift, b),
         )
         for b in range(q.shape[0])
     ]
@@ -301,6 +312,8 @@ def block_scores(
     view = scores.view(shape4)  # h = kv_head · G + g
     if group.bias is not None:
         view.add_(group.bias[:, :, q0:q1, k0:k1], alpha=problem.units)
+        if group.shift is not None:  # after the add: the scores round as in the forward
+            view.sub_(group.shift[:, :, q0:q1])
     if problem.score_mod is not None:
         b, h, qi, ki = index.at(q0, q1, k0, k1)
         raw = view.detach().clone().requires_grad_(True) if keep_raw else None

@@ -42,8 +42,9 @@ def attention_forward(
     v: torch.Tensor,
     bias: torch.Tensor | None,
     problem: Problem,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Context (B, H, Lq, Dv) and log-sum-exp (B, H, Lq) of checked, contiguous tensors.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Context (B, H, Lq, Dv), log-sum-exp (B, H, Lq) and None, of checked, contiguous
+    tensors; for a ``huge`` bias, the lse in two parts: (context, log l, m).
 
     Each query block is one task (:func:`qkv.kernels._threads.run_tasks`); it writes only
     its own rows of the output.
@@ -54,6 +55,8 @@ def attention_forward(
     lse = torch.empty((batch, heads, q_len), dtype=q.dtype, device=q.device)
     grouped_out = out.view(batch, kv_heads, heads // kv_heads, q_len, dim_v)
     grouped_lse = lse.view(batch, kv_heads, heads // kv_heads, q_len)
+    maxima = torch.empty_like(lse) if problem.huge else None
+    grouped_max = None if maxima is None else maxima.view(grouped_lse.shape)
     special = nonfinite(v) if problem.masked else None
     tasks: list[tuple[int, Callable[[Buffers], None]]] = []
     for group in split_groups(q, k, v, bias, problem):
@@ -74,19 +77,22 @@ def attention_forward(
                 q1: int = q1,
                 keys: list[tuple[int, int, int]] = keys,
             ) -> None:
-                context, row_lse = _forward_rows(
+                context, row_lse, row_max = _forward_rows(
                     problem, group, index, values, hits, q0, q1, keys, buffers
                 )
                 rows_out = grouped_out[g, :, :, q0:q1]
                 rows_out.copy_(context.view(rows_out.shape))
                 rows_lse = grouped_lse[g, :, :, q0:q1]
                 rows_lse.copy_(row_lse.view(rows_lse.shape))
+                if grouped_max is not None and row_max is not None:
+                    rows_max = grouped_max[g, :, :, q0:q1]
+                    rows_max.copy_(row_max.view(rows_max.shape))
 
             tasks.append((len(keys), task))
     # The longest tasks first: the threads then finish together (causal rows differ in length).
     ordered = [task for _, task in sorted(tasks, key=lambda pair: -pair[0])]
     run_tasks(ordered, Buffers, on_cpu=q.device.type == "cpu")
-    return out, lse
+    return out, lse, maxima
 
 
 def _forward_rows(
@@ -99,8 +105,9 @@ def _forward_rows(
     q1: int,
     keys: list[tuple[int, int, int]],
     buffers: Buffers,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query block against its key blocks: (context, lse) rows (Bg·Hkv, G·bq, ·).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One query block against its key blocks: (context, lse, None) rows (Bg·Hkv, G·bq, ·);
+    for a ``huge`` bias (context, log l, m).
 
     First with the shift fixed at 0 (:func:`_accumulate`), which fails only for rows whose
     scores are far from 0 (or masked whole); those blocks run again with the running max.
@@ -130,8 +137,9 @@ def _accumulate(
     hits: torch.Tensor | None,
     *,
     running_max: bool,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The online softmax over the key blocks: (context, lse) rows, or None.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """The online softmax over the key blocks: (context, lse, None) rows, or None; for a
+    ``huge`` bias (context, log l, m), with lse = m + log l.
 
     With ``running_max``, the FlashAttention update: each row's scores are shifted by their
     running maximum m, and a block that raises it to m' rescales the sums by exp(m − m').
@@ -159,9 +167,8 @@ def _accumulate(
             continue
         if running_max:
             new_max = torch.maximum(row_max, found.values.amax(dim=-1, keepdim=True))
-            shift = new_max
-            if problem.masked:  # a row with no allowed key yet: shift by 0, not by −inf
-                shift = new_max.masked_fill(new_max == NEG_INF, 0.0)
+            # A row of only −inf so far (masked, or a −inf bias): shift by 0, not by −inf.
+            shift = new_max.masked_fill(new_max == NEG_INF, 0.0)
             scores = found.exp_(shift)  # the unnormalised weights p = exp(s − m), in place
             rescale = exp(row_max - shift)
             # l ← l · exp(m − m') + Σ p;  acc ← acc · exp(m − m') + p·V
@@ -189,15 +196,26 @@ def _accumulate(
         # the running max merely runs needlessly.
         if not bool(in_range.all()) or not math.isfinite(float(acc.sum())):
             return None
+    if running_max:
+        # A row whose scores are all −inf (a −inf bias on every allowed key): its weights
+        # are 0, as in the reference (exp of the floor left them tiny but positive).
+        dead = row_max == NEG_INF
+        row_sum.masked_fill_(dead, 0.0)
+        acc.masked_fill_(dead, 0.0)
+        if reach is not None:
+            reach.masked_fill_(dead, 0.0)
     empty = row_sum == 0
     context = acc / row_sum.masked_fill(empty, 1.0)
+    if reach is not None:
+        context = put_back_nonfinite(context, reach)
+    if problem.huge:  # natural units; m apart from log l (m + log l would lose log l)
+        kept = row_max.masked_fill(row_max == NEG_INF, 0.0) if running_max else row_max
+        return context, torch.log(row_sum).squeeze(-1), kept.squeeze(-1)
     if problem.base2:  # back to natural units
         row_lse = ((row_max + torch.log2(row_sum)) * LN2).squeeze(-1)
     else:
         row_lse = (row_max + torch.log(row_sum)).squeeze(-1)
-    if reach is not None:
-        context = put_back_nonfinite(context, reach)
-    return context, row_lse
+    return context, row_lse, None
 
 
 _LEAST = 2.0**-60

@@ -13,7 +13,12 @@ Dropout is not translated: torch draws its own random numbers, which would not f
 ``generator`` (see :func:`qkv.masks.dropout_keep`); the dispatcher refuses it. A query with
 no allowed key gets zeros from torch ≥ 2.5, as qkv's policy says; a NaN or ±inf in a
 masked-out key or value, however, reaches every output of torch's kernels, so the caller
-checks the output (see :func:`qkv.scaled_dot_product_attention`).
+checks the output (see :func:`qkv.scaled_dot_product_attention`). A row whose scores are all
+NaN (a NaN in its query) gets zeros from torch's fused kernels; qkv gives it NaN, as the
+reference does.
+
+torch's function is bound once, at import (:data:`TORCH_SDPA`), so that replacing
+``torch.nn.functional.scaled_dot_product_attention`` by a function that calls qkv works.
 """
 
 from __future__ import annotations
@@ -27,7 +32,14 @@ import torch
 
 from qkv.masks import Mask, causal
 
-__all__ = ["dense_mask_elements", "sdpa_attention"]
+__all__ = ["TORCH_SDPA", "dense_mask_elements", "sdpa_attention"]
+
+TORCH_SDPA: Any = getattr(
+    torch._C._nn, "scaled_dot_product_attention", torch.nn.functional.scaled_dot_product_attention
+)
+"""torch's own fused function, bound once at import: code that replaces
+``torch.nn.functional.scaled_dot_product_attention`` with a function calling qkv (as
+libraries and exporters do) must not send qkv's sdpa backend back into itself."""
 
 
 def _causal_kind(is_causal: bool, alignment: str, q_len: int, kv_len: int) -> str:
@@ -107,7 +119,7 @@ def sdpa_attention(
         query, key, mask=mask, bias=bias, is_causal=is_causal, alignment=causal_alignment
     )
     enable_gqa = query.shape[1] != key.shape[1]
-    out: torch.Tensor = torch.nn.functional.scaled_dot_product_attention(
+    out: torch.Tensor = TORCH_SDPA(
         query,
         key,
         value,
@@ -116,7 +128,25 @@ def sdpa_attention(
         scale=scale,
         enable_gqa=enable_gqa,
     )
-    return out
+    return out if attn_mask is not None else _nan_rows(out, query, key)
+
+
+def _nan_rows(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """NaN where a query row, or every key of its head, holds a NaN (no mask array given).
+
+    Such a row's scores are all NaN; torch's fused kernels treat it as a row with no allowed
+    key and return zeros, where the reference (and qkv's policy: NaN in a live input comes
+    out NaN) gives NaN. Elementwise, with no host synchronisation. With a mask array the
+    caller checks instead (:func:`qkv.scaled_dot_product_attention` redoes such a call with
+    the tiled kernel), as a fully masked row must stay zero.
+    """
+    # A row's sum is NaN when the row holds a NaN (or both +inf and −inf, whose scores are NaN
+    # as well): one read of query and key, and small (B, H, Lq) results.
+    bad = torch.isnan(query.sum(dim=-1, keepdim=True))  # (B, H, Lq, 1)
+    dead = torch.isnan(key.sum(dim=-1)).all(dim=-1)  # (B, Hkv): every key has a NaN
+    dead = dead.repeat_interleave(query.shape[1] // max(key.shape[1], 1), dim=1)
+    bad = bad | dead[:, :, None, None]
+    return out.masked_fill(bad, math.nan)
 
 
 def _torch_mask(

@@ -19,6 +19,7 @@ as ``exp(S' − lse)``. The layout of the blocks: :mod:`qkv.kernels._blockwise`.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -42,24 +43,32 @@ class _TiledAttention(torch.autograd.Function):
         bias: torch.Tensor | None,
         problem: Problem,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = attention_forward(q, k, v, bias, problem)
-        ctx.save_for_backward(q, k, v, bias, out, lse)
+        out, lse, maxima = attention_forward(q, k, v, bias, problem)
+        ctx.save_for_backward(q, k, v, bias, out, lse, maxima)
         ctx.problem = problem
         ctx.set_materialize_grads(False)
-        return out, lse
+        return out, _whole(lse, maxima)
 
     @staticmethod
     def backward(
         ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, bias, out, lse = ctx.saved_tensors
+        q, k, v, bias, out, lse, maxima = ctx.saved_tensors
         if grad_out is None:  # only the lse was used
             grad_out = torch.zeros_like(out)
         need_bias = bias is not None and ctx.needs_input_grad[3]
+        problem = ctx.problem
+        if maxima is not None:  # a huge bias: exp(S' − m − log l), m subtracted first
+            problem = replace(problem, row_shift=maxima[..., None])
         dq, dk, dv, dbias = attention_backward(
-            q, k, v, bias, out, lse, grad_out, grad_lse, ctx.problem, need_bias
+            q, k, v, bias, out, lse, grad_out, grad_lse, problem, need_bias
         )
         return dq, dk, dv, dbias, None
+
+
+def _whole(lse: torch.Tensor, maxima: torch.Tensor | None) -> torch.Tensor:
+    """The log-sum-exp m + log l from its parts (a huge bias keeps m apart)."""
+    return lse if maxima is None else lse + maxima
 
 
 def tiled_function(
@@ -75,7 +84,8 @@ def tiled_function(
     )
     if not wants_grad:
         with torch.no_grad():
-            return attention_forward(q, k, v, bias, problem)
+            out, lse, maxima = attention_forward(q, k, v, bias, problem)
+            return out, _whole(lse, maxima)
     result: tuple[torch.Tensor, torch.Tensor] = _TiledAttention.apply(  # type: ignore[no-untyped-call]
         q, k, v, bias, problem
     )

@@ -101,6 +101,16 @@ def _lookup(listed: list[int], b: Array, kv: Array, xp: Any, name: str) -> Array
     return table[b]
 
 
+def _check_lengths(listed: list[int], lk: int) -> None:
+    """A key padding length beyond the number of keys points past the end: refuse it."""
+    if max(listed) > lk:
+        raise ValueError(
+            f"key_padding: lengths must be at most the key length Lk = {lk}, got {listed}. "
+            "Hint: each length counts the real (not padding) keys of its sequence; a longer "
+            "one points past the end."
+        )
+
+
 def key_padding(lengths: Sequence[int] | Array) -> Mask:
     """Batch element b attends only its first ``lengths[b]`` keys; the rest is padding.
 
@@ -117,9 +127,11 @@ def key_padding(lengths: Sequence[int] | Array) -> Mask:
     )
 
     def rule(b: Array, h: Array, q: Array, kv: Array, lq: int, lk: int, xp: Any) -> Array:
+        _check_lengths(listed, lk)
         return kv < _lookup(listed, b, kv, xp, "key_padding")
 
     def blocks(b: Any, h: Any, q0: Any, q1: Any, k0: Any, k1: Any, lq: int, lk: int) -> Any:
+        _check_lengths(listed, lk)
         length = np.asarray(listed)[b]  # (B, 1, 1, 1)
         return k0 < length, k1 - 1 < length
 

@@ -89,6 +89,12 @@ def _padding(
             f"{given.dtype} of shape {tuple(given.shape)}. Hint: "
             "key_padding_lengths=[5, 3] for two sequences of 5 and 3 tokens."
         )
+    if batch and not bool(((given >= 0) & (given <= lk)).all()):
+        raise ValueError(
+            f"key_padding_lengths must be between 0 and the key length Lk = {lk}, got "
+            f"{given.tolist()}. Hint: each length counts the real (not padding) keys of its "
+            "sequence, cached keys included; a longer one points past the end."
+        )
     keys = torch.arange(lk, device=device)
     return (keys < given[:, None])[:, None, None, :]
 

@@ -425,6 +425,14 @@ class MultiHeadAttention(nn.Module):
                 raise TypeError(
                     f"{name} must be floating point, got {x.dtype}. Hint: {name}.float()."
                 )
+            weights = next(self.parameters(), None)
+            if weights is not None and x.dtype != weights.dtype:
+                wanted = str(weights.dtype).removeprefix("torch.")
+                raise TypeError(
+                    f"{name} is {str(x.dtype).removeprefix('torch.')} but the module's weights "
+                    f"are {wanted}: they must share one dtype. Hint: convert the module, e.g. "
+                    f"module.to({x.dtype}), or the input with {name}.to({weights.dtype})."
+                )
         if key.shape[:2] != value.shape[:2]:
             raise ValueError(
                 f"key and value must have the same batch and length (B, Lk): key "
