@@ -152,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--embed-dim", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per cell (median)")
+    parser.add_argument("--repeats", type=int, default=9, help="timed runs per cell (median; 9)")
     parser.add_argument("--causal", action="store_true", help="causal self-attention")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"seed {args.seed}", flush=True)  # fmt: skip
         got = recall(folder, seed=args.seed, quick=args.quick)
         ok = got.test_accuracy >= RECALL_TARGET and got.seconds <= RECALL_BUDGET
-        print("\n## Associative recall (8 pairs, 1 block, E = 64)\n")
+        print("\n### Associative recall (8 pairs, 1 block, E = 64)\n")
         print("| steps | time (s) | val accuracy | test accuracy (new sequences) | goal |")
         print("|---:|---:|---:|---:|---|")
         print(
@@ -133,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
         rows = classification(folder, seed=args.seed, quick=args.quick)
-        print("\n## Generated sentiment set (twins: a bag of words is capped at 50%)\n")
+        print("\n### Generated sentiment set (twins: a bag of words is capped at 50%)\n")
         print(
             "| model | embeddings | val accuracy | step reaching 99% | best step | steps "
             "| time (s) | moved |"

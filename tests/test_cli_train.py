@@ -90,7 +90,7 @@ def test_explain_a_trained_classifier_shows_the_words(
     assert header.split()[3:6] == ["the", "food", "was"]
     code, out, _ = run(capsys, "explain", "--model", classifier, "--text", sentence,
                        "--layer", "pool", "--format", "markdown")  # fmt: skip
-    assert code == 0 and "<pool>" in out and "awful" in out
+    assert code == 0 and "\\<pool\\>" in out and "awful" in out  # escaped: not an HTML tag
     png = tmp_path / "weights.png"
     code, _, err = run(capsys, "explain", "--model", classifier, "--text", sentence,
                        "--plot", png, "--query", "awful")  # fmt: skip

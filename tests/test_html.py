@@ -223,7 +223,7 @@ def test_explain_html_and_plot_write_files_and_say_where(
     out, err = capsys.readouterr()
     assert status == 0 and out == ""
     assert err.splitlines() == [
-        f"qkv: wrote {picture} (the weights, one panel per head)",
+        f"qkv: wrote {picture} (the attention weights, one panel per head)",
         f"qkv: wrote {page} (open it in a browser)",
     ]
     assert data_of(page.read_text(encoding="utf-8"))["calls"][0]["heads"] == 2
@@ -235,7 +235,7 @@ def test_explain_html_errors_are_one_line(
 ) -> None:
     status = main(["explain", "--html", str(tmp_path / "missing" / "x.html")])
     _, err = capsys.readouterr()
-    assert status == 2 and err.startswith("qkv: error: cannot write") and "Hint:" in err
+    assert status == 2 and err.startswith("qkv: error: --html cannot write") and "Hint:" in err
     assert len(err.splitlines()) == 1
     status = main(["explain", "--plot", str(tmp_path / "x.jpg")])
     _, err = capsys.readouterr()

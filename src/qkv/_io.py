@@ -15,13 +15,47 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import errno
 import gzip
 import os
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+from typing import BinaryIO
 
-__all__ = ["check_target", "write_atomic"]
+__all__ = ["WriteError", "check_target", "write_atomic"]
+
+
+class WriteError(OSError):
+    """A file could not be written: the message names the file the user asked for (never a
+    temporary file), says why and gives a hint. ``errno`` and ``filename`` are kept."""
+
+    def __init__(self, target: Path, cause: OSError) -> None:
+        code = cause.errno if cause.errno is not None else errno.EIO
+        super().__init__(code, cause.strerror or str(cause), str(target))
+        self.message = _explain_failure(target, cause)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _explain_failure(target: Path, cause: OSError) -> str:
+    """One line: the file, what went wrong, and a hint."""
+    folder = str(target.parent)
+    if cause.errno in (errno.ENOSPC, errno.EDQUOT):
+        why, hint = "the disk is full", "free some space, or write to another disk"
+    elif cause.errno == errno.EROFS:
+        why, hint = "the file system is read-only", "write to another folder"
+    elif cause.errno in (errno.EACCES, errno.EPERM):
+        why = f"permission denied (the folder {folder!r} or the file is not writable)"
+        hint = "choose a folder you can write to, e.g. your home folder"
+    else:
+        why = (cause.strerror or str(cause) or type(cause).__name__).rstrip(".")
+        hint = "check the path and the disk"
+    said = cause.strerror
+    if said and said.lower() not in why.lower():
+        why += f" ({said})"
+    return f"cannot write {str(target)!r}: {why}. Hint: {hint}."
 
 
 def check_target(path: str | os.PathLike[str]) -> Path:
@@ -57,7 +91,10 @@ def write_atomic(
 
     Raises:
         ValueError: ``path`` is a folder or its folder does not exist (see :func:`check_target`).
-        OSError: the file cannot be written; ``path`` is left as it was.
+        WriteError: (an ``OSError``) the file cannot be written (no space, no permission):
+            the message names ``path``, not a temporary file, and gives a hint; ``path`` is
+            left as it was and no temporary file stays behind. An existing ``path`` that is
+            not a regular file (``/dev/null``, a pipe) is written in place, not replaced.
     """
     target = check_target(path)
     chunks: Iterable[bytes]
@@ -67,26 +104,47 @@ def write_atomic(
         chunks = (data,)
     else:
         chunks = data
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    if target.exists() and not target.is_file():
+        _write_special(target, chunks, compress=compress)  # /dev/null, a pipe: no rename
+        return
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as error:
+        raise WriteError(target, error) from None
     try:
         with os.fdopen(fd, "wb") as handle:
-            if compress:
-                with gzip.GzipFile(
-                    filename="", mode="wb", fileobj=handle, mtime=0, compresslevel=9
-                ) as packed:
-                    for chunk in chunks:
-                        packed.write(chunk)
-            else:
-                for chunk in chunks:
-                    handle.write(chunk)
+            _copy(handle, chunks, compress=compress)
             handle.flush()
             os.fsync(handle.fileno())
         os.chmod(tmp, _mode_for(target))
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as error:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(error, OSError) and not isinstance(error, WriteError):
+            raise WriteError(target, error) from None
         raise
+
+
+def _write_special(target: Path, chunks: Iterable[bytes], *, compress: bool) -> None:
+    """Write into an existing file that is not a regular one (a device such as /dev/null,
+    a named pipe) in place: renaming over it would replace the device by a plain file."""
+    try:
+        with open(target, "wb") as handle:
+            _copy(handle, chunks, compress=compress)
+    except OSError as error:
+        raise WriteError(target, error) from None
+
+
+def _copy(handle: BinaryIO, chunks: Iterable[bytes], *, compress: bool) -> None:
+    """Write ``chunks`` to ``handle``, gzipped (reproducibly: no name, mtime 0) or not."""
+    if compress:
+        with gzip.GzipFile(filename="", mode="wb", fileobj=handle, mtime=0, compresslevel=9) as out:
+            for chunk in chunks:
+                out.write(chunk)
+    else:
+        for chunk in chunks:
+            handle.write(chunk)
 
 
 def _mode_for(target: Path) -> int:

@@ -77,9 +77,17 @@ def summary(report: Report) -> list[str]:
     listed = ", ".join(f"{code} {n}" for code, n in codes.items())
     mistakes = f"{counts['mismatch']} mistake{'s' * (counts['mismatch'] != 1)} ({listed})"
     follow = ""
-    if counts["consequential"]:
+    if counts["consequential"] == 1:
+        follow = ", 1 following from an earlier mistake"
+    elif counts["consequential"]:
         follow = f", {counts['consequential']} following from earlier mistakes"
-    lines = [f"✗ {wrong} of {total} claimed rows are wrong: {mistakes}{follow}{noted}."]
+    if total == 1:
+        rows = "The claimed row is wrong"
+    elif wrong == 1:
+        rows = f"1 of {total} claimed rows is wrong"
+    else:
+        rows = f"{wrong} of {total} claimed rows are wrong"
+    lines = [f"✗ {rows}: {mistakes}{follow}{noted}."]
     first = report.first_wrong
     if first is not None:
         where = f" (line {first.line})" if first.line is not None else ""

@@ -20,6 +20,7 @@ def markdown(report: Report) -> str:
         >>> "## Q · Query vectors (first wrong step)" in md
         True
     """
+    report = report.visible()
     out = [f"# qkv check: {markdown_escape(report.name)}", ""]
     if report.source:
         out += [f"Source: {markdown_escape(report.source)}", ""]
@@ -38,11 +39,12 @@ def markdown(report: Report) -> str:
 def _finding(finding: Finding, report: Report) -> list[str]:
     head = f"**{SYMBOLS[finding.status]} {markdown_escape(status_line(finding, report))}**"
     if finding.status == "ok":
-        return [f"{head}: [{', '.join(finding.printed)}]", ""]
+        return [f"{head}: \\[{', '.join(markdown_escape(p) for p in finding.printed)}\\]", ""]
     labels = columns(finding, report)
     printed = []
     for text, mark in zip(finding.printed, finding.marks, strict=True):
         symbol = MARKS.get(mark, "")
+        text = markdown_escape(text)
         printed.append(f"**{text}** {symbol}" if symbol else text)
     correct = [number(v, finding.decimals) for v in finding.expected]
     lines = [

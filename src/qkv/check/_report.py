@@ -8,6 +8,7 @@ The JSON form (``Report.to_json``) is a stable, documented schema (docs/check.md
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -129,13 +130,38 @@ class Report:
         """How many findings have each status."""
         return {s: sum(f.status == s for f in self.findings) for s in STATUSES}
 
+    def visible(self) -> Report:
+        """The report with every control character in its texts (tokens, name, source,
+        messages, printed numbers) written out visibly, ``\\x1b`` for ESC: what the text and
+        Markdown reports show, so that a token cannot act on the terminal."""
+        from qkv.render._format import visible
+
+        findings = tuple(
+            dataclasses.replace(
+                f,
+                token=visible(f.token),
+                printed=tuple(visible(p) for p in f.printed),
+                message=visible(f.message),
+            )
+            for f in self.findings
+        )
+        return Report(
+            name=visible(self.name),
+            source=None if self.source is None else visible(self.source),
+            tokens=tuple(visible(t) for t in self.tokens),
+            findings=findings,
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """``{"ok": bool, "findings": [...]}``, see :meth:`Finding.to_dict`."""
         return {"ok": self.ok, "findings": [f.to_dict() for f in self.findings]}
 
     def to_json(self, *, indent: int | None = 2) -> str:
-        """The report as JSON (UTF-8 text, ending with a newline)."""
-        return json.dumps(self.to_dict(), indent=indent, ensure_ascii=False) + "\n"
+        """The report as JSON (UTF-8 text, ending with a newline); control characters and
+        bidirectional overrides in strings are ``\\uXXXX`` escapes, inert on a terminal."""
+        from qkv.render._format import json_safe
+
+        return json_safe(json.dumps(self.to_dict(), indent=indent, ensure_ascii=False)) + "\n"
 
     def text(self, *, width: int = 80) -> str:
         """The report as plain text, no line longer than ``width`` (at least 40)."""

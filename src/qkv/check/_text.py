@@ -41,6 +41,7 @@ def text(report: Report, *, width: int = 80) -> str:
     """
     if width < 40:
         raise ValueError(f"width must be at least 40 columns, got {width}")
+    report = report.visible()
     return "\n".join(line.plain.rstrip() for line in _lines(report, width)) + "\n"
 
 
@@ -51,7 +52,7 @@ def print_report(report: Report, console: Console | None = None) -> None:
     if not console.is_terminal:
         console.file.write(text(report, width=width))
         return
-    for line in _lines(report, width):
+    for line in _lines(report.visible(), width):
         console.print(line, no_wrap=True, crop=False, overflow="ignore")
 
 

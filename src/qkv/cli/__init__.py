@@ -82,7 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``qkv`` with the given arguments (default: ``sys.argv[1:]``); return the exit status.
 
     0 on success (and for ``qkv`` with no arguments, which prints a short help), 2 for a user
-    error, with one line ``qkv: error: ...`` on stderr.
+    error, with one line ``qkv: error: ...`` on stderr (also when a command needs an extra
+    that is not installed: "... needs torch ... Hint: pip install 'qkv[torch]'").
     """
     parser = build_parser()
     args_list = list(sys.argv[1:] if argv is None else argv)
@@ -93,10 +94,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(args_list)
     except SystemExit as exit_:  # --help, --version and usage errors
         return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 2)
+    from qkv._extras import MissingExtraError
+
     try:
         status: int = args.handler(args)
         return status
-    except (CommandError, ValueError, OSError) as error:
+    except (CommandError, ValueError, OSError, MissingExtraError) as error:
         if isinstance(error, BrokenPipeError):
             return _broken_pipe()
         print(f"qkv: error: {one_line(error)}", file=sys.stderr)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from qkv import _io
@@ -17,11 +19,13 @@ if TYPE_CHECKING:
 __all__ = [
     "Command",
     "CommandError",
+    "Output",
     "Parser",
     "add_output_options",
     "emit",
     "int_in_range",
     "refuse_options",
+    "write_all",
     "write_atomic",
 ]
 
@@ -96,8 +100,112 @@ def write_atomic(path: str | os.PathLike[str], text: str, *, option: str = "--ou
     """
     try:
         _io.write_atomic(path, text)
-    except ValueError as error:
+    except (ValueError, _io.WriteError) as error:
         raise CommandError(f"{option} {error}") from None
+
+
+@dataclass(frozen=True)
+class Output:
+    """One file a command was asked to write.
+
+    Attributes:
+        option: the option that asked for it (``"--html"``), named in every error about it.
+        path: the file, as the user gave it.
+        write: writes the content to the path it is given (atomically, e.g. through
+            :func:`qkv._io.write_atomic`); it may raise ``ValueError`` or ``OSError``.
+        what: a few words for the "qkv: wrote FILE (what)" line.
+        suffixes: the file endings allowed (e.g. ``(".png", ".svg")``), or empty for any.
+    """
+
+    option: str
+    path: str
+    write: Callable[[Path], None]
+    what: str
+    suffixes: tuple[str, ...] = ()
+
+
+def check_outputs(outputs: Sequence[Output]) -> list[Path]:
+    """Check every target before any work: each can be a file we write, none is asked twice.
+
+    Raises:
+        CommandError: naming the option of the first target that cannot be written (a
+            folder, a missing folder, a folder without write permission, a wrong ending, or
+            the same file for two options).
+    """
+    targets: list[Path] = []
+    seen: dict[Path, str] = {}
+    for output in outputs:
+        try:
+            target = _io.check_target(output.path)
+        except ValueError as error:
+            raise CommandError(f"{output.option} {error}") from None
+        if output.suffixes and target.suffix.lower() not in output.suffixes:
+            raise CommandError(
+                f"{output.option} {output.path!r} must end in "
+                f"{' or '.join(output.suffixes)}, got {target.suffix or 'no ending'!r}. "
+                f"Hint: e.g. {output.option} {target.with_suffix(output.suffixes[0]).name}"
+            )
+        special = target.exists() and not target.is_file()
+        if not special and not os.access(target.parent, os.W_OK | os.X_OK):
+            raise CommandError(
+                f"{output.option} cannot write {output.path!r}: permission denied (the folder "
+                f"{str(target.parent)!r} is not writable). Hint: choose a folder you can write "
+                "to, e.g. your home folder"
+            )
+        key = target.resolve()
+        if key in seen and not special:
+            raise CommandError(
+                f"{output.option} {output.path!r} is also the file of {seen[key]}. "
+                "Hint: give each output its own file"
+            )
+        seen[key] = output.option
+        targets.append(target)
+    return targets
+
+
+def write_all(outputs: Sequence[Output]) -> None:
+    """Write several outputs all or none, then say what was written (one line each).
+
+    Every target is checked first (:func:`check_outputs`); each content is then written to a
+    temporary file beside its target, and only when all are written are they renamed into
+    place. A failure leaves every target as it was, no temporary file behind, and an error
+    that names the option and the user's file (never the temporary one).
+    """
+    targets = check_outputs(outputs)
+    staged: list[tuple[Path, Path]] = []  # (temporary file, target)
+    direct: list[tuple[Output, Path]] = []  # /dev/null, pipes: written last, in place
+    try:
+        for output, target in zip(outputs, targets, strict=True):
+            if target.exists() and not target.is_file():
+                direct.append((output, target))
+                continue
+            temporary = target.with_name(f".{target.name}.qkv-{os.getpid()}{target.suffix}")
+            staged.append((temporary, target))
+            _write_one(output, target, temporary)
+        for temporary, target in staged:
+            with contextlib.suppress(OSError):
+                os.chmod(temporary, target.stat().st_mode & 0o777)
+            os.replace(temporary, target)
+    except BaseException:
+        for temporary, _ in staged:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+        raise
+    for output, target in direct:
+        _write_one(output, target, target)
+    for output in outputs:
+        print(f"qkv: wrote {output.path} ({output.what})", file=sys.stderr)
+
+
+def _write_one(output: Output, target: Path, where: Path) -> None:
+    """``output.write(where)``, its errors naming ``output.option`` and ``target``."""
+    from qkv._extras import MissingExtraError
+
+    try:
+        output.write(where)
+    except (ValueError, OSError, MissingExtraError) as error:
+        text = one_line(error).replace(str(where), str(target))
+        raise CommandError(f"{output.option} {text}") from None
 
 
 def add_output_options(parser: argparse.ArgumentParser, output_help: str) -> None:
@@ -133,8 +241,17 @@ def emit(
     printed with colour by ``print_text(console)`` instead.
     """
     if args.output is not None:
-        write_atomic(args.output, render(args.width or 80))
-        print(f"qkv: wrote {args.output} ({args.format})", file=sys.stderr)
+        text = render(args.width or 80)
+        write_all(
+            [
+                Output(
+                    "--output",
+                    args.output,
+                    lambda path: _io.write_atomic(path, text),
+                    args.format,
+                )
+            ]
+        )
     elif args.format == "text":
         from rich.console import Console
 
@@ -145,6 +262,8 @@ def emit(
 
 def one_line(error: BaseException) -> str:
     """An error message on one line (for ``qkv: error: ...``)."""
+    if isinstance(error, _io.WriteError):
+        return str(error)
     if isinstance(error, OSError) and error.strerror:
         where = f": {error.filename}" if error.filename else ""
         return f"{error.strerror}{where}"

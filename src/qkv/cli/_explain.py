@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import copy
+import re
 import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
+from qkv import _io
 from qkv.cli._common import (
     Command,
     CommandError,
+    Output,
     add_output_options,
     emit,
     int_in_range,
     refuse_options,
+    write_all,
 )
-from qkv.render import FORMATS, MATRIX_STEPS
+from qkv.render import FORMATS, MATRIX_STEPS, TITLES
+from qkv.steps import STEP_NAMES
 from qkv.trace import Trace
 
 
@@ -102,6 +111,14 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         help="what --plot draws: weights (default), scores, scaled, masked, ...",
     )
     parser.add_argument(
+        "--steps",
+        "-s",
+        metavar="STEP,...",
+        type=_step_list,
+        help="show only these steps, e.g. weights,context (a model's trace is long); the "
+        f"steps: {', '.join(STEP_NAMES)}",
+    )
+    parser.add_argument(
         "--html",
         metavar="FILE",
         help="write an interactive page (head view, every step) to FILE: one file, no "
@@ -116,8 +133,25 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
+_POSITION = re.compile(r"-?[0-9]+")
+"""A 0-based position given to --query (ASCII digits only: '²' is a token, not 2)."""
+
+
+def _step_list(text: str) -> tuple[str, ...]:
+    """An argparse ``type``: step names separated by commas (``weights,context``)."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in STEP_NAMES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"expected step names separated by commas, got {text!r}"
+            + (f" ({unknown[0]!r} is no step)" if unknown else "")
+            + f"; the steps are {', '.join(STEP_NAMES)}"
+        )
+    return names
+
+
 def _run(args: argparse.Namespace) -> int:
-    from qkv import examples, render  # imported here: 'qkv --help' stays fast
+    from qkv import render  # imported here: 'qkv --help' stays fast
 
     if args.model is not None or args.text is not None or args.layer is not None:
         from qkv.cli._train import model_trace  # a trained model: qkv.train, PyTorch
@@ -126,28 +160,69 @@ def _run(args: argparse.Namespace) -> int:
     elif args.trace is not None:
         trace = _saved_trace(args)
     else:
-        example = examples.resolve(args.example or examples.builtin_names()[0])
-        trace = examples.run(
-            example,
-            query=args.query,
-            scale=False if args.no_scale else None,
-            causal=True if args.causal else None,
-            heads=args.heads,
-        )
-        if args.verbose:
-            from qkv.attention import dispatch_of_trace
-
-            print(dispatch_of_trace(trace), file=sys.stderr)
+        trace = _example_trace(args)
+    if args.steps is not None:
+        trace = _keep_steps(trace, args.steps)
     if args.plot is not None or args.html is not None:
         _pictures(trace, args)
-        if args.output is None:
-            return 0
+        return 0
     emit(
         args,
         lambda width: render.render(trace, args.format, precision=args.precision, width=width),
         lambda console: render.print_text(trace, console, precision=args.precision),
     )
     return 0
+
+
+def _example_trace(args: argparse.Namespace) -> Trace:
+    """The trace of ``--example`` (a built-in or a file) with the options given."""
+    from qkv import examples
+
+    example = examples.resolve(args.example or examples.builtin_names()[0])
+    query = args.query
+    if query is not None and query not in example.tokens and _POSITION.fullmatch(query):
+        count = len(example.tokens)
+        position = int(query)
+        if not -count <= position < count:
+            tokens = ", ".join(f"{i} {t}" for i, t in enumerate(example.tokens[:20]))
+            raise CommandError(
+                f"--query {query}: expected a token or a position from 0 to {count - 1} (or "
+                f"from -{count} to -1, counted from the end), got {position}. Hint: the "
+                f"tokens are {tokens}" + (", ..." if count > 20 else "")
+            )
+        query = str(position % count)
+    try:
+        trace = examples.run(
+            example,
+            query=query,
+            scale=False if args.no_scale else None,
+            causal=True if args.causal else None,
+            heads=args.heads,
+        )
+    except ValueError as error:
+        text = str(error)
+        if text.startswith("query:"):
+            raise CommandError("--query" + text.removeprefix("query")) from None
+        raise
+    if args.verbose:
+        from qkv.attention import dispatch_of_trace
+
+        print(dispatch_of_trace(trace), file=sys.stderr)
+    return trace
+
+
+def _keep_steps(trace: Trace, steps: Sequence[str]) -> Trace:
+    """A copy of ``trace`` with only ``steps`` (``--steps``), or an error naming what is there."""
+    kept = [step for step in trace.steps if step.name in steps]
+    if not kept:
+        recorded = ", ".join(dict.fromkeys(step.name for step in trace.steps))
+        raise CommandError(
+            f"--steps {','.join(steps)}: none of these steps is in the trace. Hint: it "
+            f"holds {recorded}"
+        )
+    shown = copy.copy(trace)  # the same tokens and meta, fewer steps
+    shown.steps = kept
+    return shown
 
 
 def _saved_trace(args: argparse.Namespace) -> Trace:
@@ -174,26 +249,138 @@ def _saved_trace(args: argparse.Namespace) -> Trace:
             f"--trace {args.trace!r}: {error}. Hint: save one with trace.save('trace.json')"
         ) from None
     if args.query is not None:
-        trace.meta["queries"] = [
-            int(args.query) if args.query.lstrip("-").isdigit() else args.query
-        ]
+        trace.meta["queries"] = [_recorded_query(trace, args.query)]
     return trace
 
 
-def _pictures(trace: Trace, args: argparse.Namespace) -> None:
-    """Write the --plot and --html files, one line each on stderr."""
-    from qkv import render
-    from qkv._extras import MissingExtraError
+def _recorded_query(trace: Trace, text: str) -> int | str:
+    """``--query`` for a saved trace: a query label, or a 0-based position among the rows
+    recorded; an error naming what the trace holds when no attention call has it."""
+    from qkv.render._narrative import query_labels, query_position
 
+    wanted: int | str = int(text) if _POSITION.fullmatch(text) else text
+    described: list[str] = []
+    for call in _calls(trace):
+        lq = _axis_size(call, "query")
+        if lq is None:
+            continue
+        rows = _kept_rows(call, "query")
+        labels = query_labels(trace, lq, rows)
+        if query_position(wanted, labels, rows) is not None:
+            return wanted
+        positions = rows if rows is not None and len(rows) == lq else list(range(lq))
+        described = [f"{p} {label}" for p, label in zip(positions, labels, strict=True)]
+    if not described:
+        raise CommandError(
+            f"--query {text}: the trace records no query rows (no step with a query axis). "
+            "Hint: leave out --query"
+        )
+    shown = ", ".join(described[:20]) + (", ..." if len(described) > 20 else "")
+    raise CommandError(
+        f"--query {text}: not a query the trace recorded; expected a token or a 0-based "
+        f"position among the recorded rows: {shown}. Hint: record the row you want, e.g. "
+        "qkv.tracing(queries=[...])"
+    )
+
+
+def _calls(trace: Trace) -> list[list[Any]]:
+    """The trace's attention calls: a new call starts when a step name comes again."""
+    calls: list[list[Any]] = []
+    for step in trace.steps:
+        current = calls[-1] if calls else None
+        if (
+            current is None
+            or step.layer != current[0].layer
+            or any(s.name == step.name for s in current)
+        ):
+            calls.append([step])
+        else:
+            current.append(step)
+    return calls
+
+
+def _axis_size(call: Sequence[Any], axis: str) -> int | None:
+    for step in call:
+        if axis in step.axes:
+            return int(step.value.shape[step.axes.index(axis)])
+    return None
+
+
+def _kept_rows(call: Sequence[Any], axis: str) -> list[int] | None:
+    for step in call:
+        if step.index and axis in step.index and axis in step.axes:
+            return [int(i) for i in step.index[axis]]
+    return None
+
+
+_HINTS = {
+    "masked": "the masked scores exist only with a mask: add --causal (or a mask in the "
+    "example), or draw --plot-step scaled",
+    "bias": "the bias exists only when the example or model adds one (e.g. ALiBi); draw "
+    "--plot-step scaled",
+}
+
+
+def _pictures(trace: Trace, args: argparse.Namespace) -> None:
+    """Write the --plot, --html and --output files: all or none (:func:`write_all`)."""
+
+    outputs: list[Output] = []
     if args.plot is not None:
-        try:
-            render.heatmap(trace, args.plot, step=args.plot_step)
-        except MissingExtraError as error:
-            raise CommandError(str(error)) from None
-        print(f"qkv: wrote {args.plot} (the {args.plot_step}, one panel per head)", file=sys.stderr)
+        if args.plot_step not in trace:
+            recorded = ", ".join(dict.fromkeys(s.name for s in trace.steps))
+            hint = _HINTS.get(args.plot_step, "choose one of the recorded steps")
+            raise CommandError(
+                f"--plot-step {args.plot_step}: the trace has no {args.plot_step} step "
+                f"(recorded: {recorded}). Hint: {hint}"
+            )
+        outputs.append(
+            Output(
+                "--plot",
+                args.plot,
+                lambda path: _heatmap(trace, path, args.plot_step),
+                f"the {TITLES[args.plot_step].lower()}, one panel per head",
+                suffixes=(".png", ".svg"),
+            )
+        )
     if args.html is not None:
-        render.html(trace, args.html, precision=args.precision)
-        print(f"qkv: wrote {args.html} (open it in a browser)", file=sys.stderr)
+        outputs.append(
+            Output(
+                "--html",
+                args.html,
+                lambda path: _html_page(trace, path, args.precision),
+                "open it in a browser",
+            )
+        )
+    if args.output is not None:
+        outputs.append(
+            Output(
+                "--output",
+                args.output,
+                lambda path: _text_file(trace, path, args),
+                args.format,
+            )
+        )
+    write_all(outputs)
+
+
+def _text_file(trace: Trace, path: Path, args: argparse.Namespace) -> None:
+    from qkv import render
+
+    width = args.width or 80
+    text = render.render(trace, args.format, precision=args.precision, width=width)
+    _io.write_atomic(path, text)
+
+
+def _heatmap(trace: Trace, path: Path, step: str) -> None:
+    from qkv import render
+
+    render.heatmap(trace, path, step=step)
+
+
+def _html_page(trace: Trace, path: Path, precision: int) -> None:
+    from qkv import render
+
+    render.html(trace, path, precision=precision)
 
 
 COMMAND = Command(
@@ -218,6 +405,7 @@ COMMAND = Command(
         ("qkv explain --example two-heads --plot weights.png", "a heatmap per head (or .svg)"),
         ("qkv explain --html explain.html", "an interactive page to open in a browser"),
         ("qkv explain --model runs/classify --text 'not bad at all'", "a trained model"),
+        ("qkv explain --example two-heads --steps weights,context", "only these steps"),
     ),
     configure=_configure,
     run=_run,

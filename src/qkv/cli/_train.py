@@ -7,6 +7,7 @@ trained model and records its attention on the text.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -281,11 +282,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.train_task is None:
         args.train_parser.print_help()
         return 0
-    from qkv._extras import MissingExtraError
+    from qkv._extras import MissingExtraError, require
 
     try:
-        import torch
-
+        torch = require("torch", feature="qkv train")
         from qkv import train
     except MissingExtraError as error:
         raise CommandError(str(error)) from None
@@ -376,7 +376,12 @@ def _summary(result: Any, out: Path, evaluate: str, text: str) -> None:
         f"Stopped at step {result.step} ({reasons.get(result.stopped, result.stopped)}) "
         f"after {result.seconds:.1f} s."
     )
-    print(f"Wrote {out}/: metrics.jsonl, metrics.png, checkpoints/, best/.")
+    skipped = getattr(result, "plot_skipped", None)
+    if skipped is None:
+        print(f"Wrote {out}/: metrics.jsonl, metrics.png, checkpoints/, best/.")
+    else:
+        print(f"Wrote {out}/: metrics.jsonl, checkpoints/, best/.")
+        print(f"Skipped metrics.png: {skipped}.")
     print("Next:")
     print(f"  qkv evaluate {out}{evaluate}")
     print(f"  qkv explain --model {out} --text '{text}'")
@@ -416,9 +421,17 @@ def model_trace(args: argparse.Namespace) -> Any:
     queries = None
     if query is not None:
         queries = (
-            int(query) if query.lstrip("-").isdigit() else _position(trained, args.text, query)
+            int(query) if re.fullmatch(r"-?[0-9]+", query) else _position(trained, args.text, query)
         )
-    trace, prediction = explain_text(trained, args.text, layer=args.layer, queries=queries)
+    try:
+        trace, prediction = explain_text(
+            trained, args.text, layer=args.layer, queries=queries, steps=args.steps
+        )
+    except ValueError as error:
+        text = str(error)
+        if queries is not None and text.startswith("tracing queries="):
+            raise CommandError(f"--query {query}: {text.split(': ', 1)[-1]}") from None
+        raise
     if args.plot is not None or args.html is not None or args.output is not None:
         share = prediction.probabilities[prediction.label]
         print(f"qkv: the model predicts {prediction.label} ({share:.1%})", file=sys.stderr)

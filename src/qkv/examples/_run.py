@@ -41,8 +41,9 @@ def run(
 
     Returns:
         The trace, with ``tokens`` set and ``meta`` holding ``name``, ``description``,
-        ``example`` (the built-in name or the file) and ``queries`` (positions, or None for
-        all), besides what the attention core records (``num_heads``, ``d_k``, ``scale``, ...).
+        ``example`` (the built-in name or the file), ``queries`` (positions, or None for
+        all) and ``example_queries`` (the example's own, which its description is about),
+        besides what the attention core records (``num_heads``, ``d_k``, ``scale``, ...).
 
     Raises:
         ValueError: an unknown, ambiguous or out-of-range ``query``; ``heads`` that does not
@@ -77,6 +78,7 @@ def run(
     trace.meta["description"] = example.description
     trace.meta["example"] = example.slug or example.source
     trace.meta["queries"] = None if queries is None else list(queries)
+    trace.meta["example_queries"] = None if example.queries is None else list(example.queries)
     return trace
 
 

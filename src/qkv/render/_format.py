@@ -6,10 +6,13 @@ import math
 import re
 
 __all__ = [
+    "json_safe",
     "latex_escape",
     "latex_number",
+    "latex_visible",
     "markdown_escape",
     "number",
+    "visible",
     "wrap_equation",
 ]
 
@@ -86,13 +89,14 @@ def latex_escape(text: str) -> str:
     return _LATEX_PATTERN.sub(lambda m: _LATEX_SPECIALS[m.group(0)], text)
 
 
-_MARKDOWN_PATTERN = re.compile(r"([\\`*\[\]<>|$~]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9]))")
+_MARKDOWN_PATTERN = re.compile(r"([\\`*\[\]<>|$~&]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9]))")
 
 
 def markdown_escape(text: str) -> str:
     """Escape text for a Markdown paragraph or table cell (GitHub flavour).
 
-    ``|`` would end a table cell, ``$`` would start a formula, ``*``/``_`` emphasis, ``<`` HTML.
+    ``|`` would end a table cell, ``$`` would start a formula, ``*``/``_`` emphasis, ``<`` HTML,
+    ``&`` an entity (``&lt;`` would show as ``<``).
     An underscore inside a word (``d_model``) cannot start emphasis and is left alone.
 
     Example:
@@ -103,6 +107,67 @@ def markdown_escape(text: str) -> str:
     if escaped.startswith("#"):
         escaped = "\\" + escaped
     return escaped
+
+
+# Characters a terminal acts on instead of showing (C0 and C1 controls, DEL)
+# and the bidirectional controls that reorder what follows them (Trojan Source).
+_INVISIBLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_NAMED = {"\t": "\\t", "\n": "\\n", "\r": "\\r"}
+
+
+def _escaped(match: re.Match[str]) -> str:
+    char = match.group(0)
+    if char in _NAMED:
+        return _NAMED[char]
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def visible(text: str, *, newlines: bool = False) -> str:
+    """``text`` with every control character written out visibly (``\\x1b``, ``\\u202e``).
+
+    Tokens and names come from files anyone may write: an ESC sequence would recolour or
+    rewrite the terminal, a bidirectional override would reorder the line around it. They are
+    shown as Python writes them in a string; everything else (accents, CJK, emoji) is kept.
+    ``newlines=True`` keeps line breaks (for a description of several lines).
+
+    Example:
+        >>> print(visible("a\\x1b[31mb\\u202ec\\td"))
+        a\\x1b[31mb\\u202ec\\td
+        >>> visible("naïve café 東京")
+        'naïve café 東京'
+    """
+    if newlines:
+        return "\n".join(_INVISIBLE.sub(_escaped, line) for line in text.split("\n"))
+    return _INVISIBLE.sub(_escaped, text)
+
+
+def latex_visible(text: str) -> str:
+    """LaTeX with any control character in it written out as escaped text
+    (``\\textbackslash{}x1b``); user text reaches LaTeX only in text mode or ``\\text{...}``.
+
+    Example:
+        >>> print(latex_visible(r"\\text{a\x1bb}"))
+        \\text{a\\textbackslash{}x1bb}
+    """
+    return _INVISIBLE.sub(lambda m: latex_escape(visible(m.group(0))), text)
+
+
+def json_safe(text: str) -> str:
+    """JSON text with the characters :func:`visible` escapes written as ``\\uXXXX``.
+
+    ``json.dumps(..., ensure_ascii=False)`` leaves C1 controls and bidirectional overrides
+    as they are; the escaped form reads back to the same strings and cannot act on a terminal.
+    Line breaks and tabs are left alone: outside strings they are JSON's own whitespace.
+
+    Example:
+        >>> json_safe('["a\\u202eb"]')
+        '["a\\\\u202eb"]'
+    """
+    # JSON's own line breaks and indentation stay; inside strings json.dumps escapes C0 already
+    return _INVISIBLE.sub(
+        lambda m: m.group(0) if m.group(0) in _NAMED else f"\\u{ord(m.group(0)):04x}", text
+    )
 
 
 _BREAKS = re.compile(r"(?= \+ | = )")

@@ -19,6 +19,7 @@ import numpy as np
 
 from qkv._extras import require
 from qkv._io import write_atomic
+from qkv.render._format import visible
 from qkv.render._narrative import Heads, _index, _labels, _split_calls, query_labels
 from qkv.render._vocabulary import TITLES
 from qkv.trace import Step, Trace
@@ -52,9 +53,10 @@ def heatmap(
     """Draw a step of the trace as heatmaps, one panel per head; optionally save PNG or SVG.
 
     Each panel is one (Lq, Lk) matrix of batch element 0: query tokens on the vertical axis,
-    key tokens on the horizontal one. Weights are coloured from 0 (white) to the largest
-    weight (dark blue); scores from orange (negative) through white to purple (positive);
-    masked scores (−∞) are grey. All panels share one colour scale, shown in a colour bar.
+    key tokens on the horizontal one. Weights are coloured on a fixed scale from 0 (white)
+    to 1 (dark blue), so that near-uniform weights look pale; scores from orange (negative)
+    through white to purple (positive); masked scores (−∞) are grey. All panels share one
+    colour scale, shown in a colour bar (under a panel of a few query rows).
 
     Args:
         trace: a recorded :class:`qkv.Trace`.
@@ -108,8 +110,17 @@ def heatmap(
         columns = max(per_row)
     lq, lk = (max(p.matrix.shape[axis] for p in panels) for axis in (0, 1))
     side = min(6.0, max(2.6, 0.42 * max(lq, lk) + 1.2))
+    # each panel is sized to its cells: a single query row is a strip, not a white square
+    flat = lk >= 3 * lq  # a strip of a few query rows: the colour bar goes under it
+    if flat:
+        cell = (side - 1.2) / lk
+        width, height = cell * lk + 1.2, cell * lq + 1.1
+    else:
+        width = height = max(side, 3.2)  # room for the colour bar's label beside the panels
     figure = Figure(
-        figsize=(columns * side + 1.2, rows * side + 0.6), dpi=dpi, layout="constrained"
+        figsize=(columns * width + (0.3 if flat else 1.2), rows * height + (1.0 if flat else 0.6)),
+        dpi=dpi,
+        layout="constrained",
     )
     FigureCanvasAgg(figure)
     grid = figure.subplots(rows, columns, squeeze=False)
@@ -132,9 +143,16 @@ def heatmap(
         if write:
             _write_values(ax, panel.matrix, cmap, norm, precision)
     assert image is not None  # there is at least one panel
-    label = "attention weight" if step in _PROBABILITIES else TITLES[step].lower()
-    figure.colorbar(image, ax=[ax for ax in grid.flat if ax.get_visible()], shrink=0.8, label=label)
-    name = trace.meta.get("name")
+    label = "attention weight (0 to 1)" if step in _PROBABILITIES else TITLES[step].lower()
+    figure.colorbar(
+        image,
+        ax=[ax for ax in grid.flat if ax.get_visible()],
+        shrink=0.6 if flat else 0.9,
+        label=label,
+        location="bottom" if flat else "right",
+        aspect=30 if flat else 20,
+    )
+    name = visible(str(trace.meta.get("name") or ""))
     figure.suptitle(title if title is not None else TITLES[step] + (f": {name}" if name else ""))
     if path is not None:
         write_atomic(path, _encode(figure, suffix))
@@ -260,8 +278,8 @@ def _colours(step: str, panels: list[_Panel]) -> tuple[Any, Any]:
 
     finite = [p.matrix[np.isfinite(p.matrix)] for p in panels]
     largest = max((float(np.abs(f).max()) for f in finite if f.size), default=1.0) or 1.0
-    if step in _PROBABILITIES:
-        cmap, norm = colormaps["Blues"], Normalize(0.0, largest)
+    if step in _PROBABILITIES:  # a fixed scale: near-uniform weights look pale, not strong
+        cmap, norm = colormaps["Blues"], Normalize(0.0, max(1.0, largest))
     else:
         cmap, norm = colormaps["PuOr"], Normalize(-largest, largest)
     return cmap.with_extremes(bad="#e0e0e0"), norm

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from qkv.render._format import json_safe
 from qkv.trace import Trace
 
 __all__ = ["json"]
@@ -11,6 +12,8 @@ def json(trace: Trace) -> str:
     """The trace as indented JSON (``Trace.from_json`` reads it back).
 
     Masked scores (−inf) are written as the string ``"-inf"``, so the file is strict JSON.
+    Control characters and bidirectional overrides in tokens are written as ``\\uXXXX``
+    escapes: the same strings when read back, inert when printed to a terminal.
 
     Example:
         >>> import numpy as np, qkv
@@ -19,4 +22,4 @@ def json(trace: Trace) -> str:
         >>> qkv.Trace.from_json(json(t)).names == t.names
         True
     """
-    return trace.to_json(indent=2) + "\n"
+    return json_safe(trace.to_json(indent=2)) + "\n"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from qkv.render._format import markdown_escape, number
 from qkv.render._model import Equation, Narrative, StepView, Table
 from qkv.render._narrative import narrate
@@ -15,7 +17,8 @@ def markdown(trace: Trace, *, precision: int = 4) -> str:
 
     Formulas and worked lines are LaTeX between ``$…$`` / ``$$…$$`` (GitHub, MkDocs with
     arithmatex, Jupyter and most blog engines render them); tables are GitHub tables with
-    right-aligned numbers; tokens are escaped (``|`` becomes ``\\|``).
+    right-aligned numbers; tokens are escaped (``|`` becomes ``\\|``, ``<`` becomes ``\\<``),
+    also inside formulas (``<`` becomes ``\\lt``), so no token can become HTML or a link.
 
     Example:
         >>> import numpy as np, qkv
@@ -48,16 +51,43 @@ def render_markdown(n: Narrative) -> str:
 
 def _step(step: StepView, heading: str, precision: int) -> list[str]:
     out = [f"{heading} Step {step.number}. {markdown_escape(step.title)}", ""]
-    out += [f"${step.formula.latex}$", ""]
+    out += [f"${math(step.formula.latex)}$", ""]
     if step.meaning:
         out += [markdown_escape(step.meaning), ""]
     if step.table is not None:
         out += [*_table(step.table, precision), ""]
     for equation in step.equations:
-        out += [f"$${_latex_line(equation)}$$", ""]
+        out += [f"$${math(_latex_line(equation))}$$", ""]
     for note in step.notes:
         out += [f"*{markdown_escape(note)}*", ""]
     return out
+
+
+_TEXT = re.compile(r"\\text\{((?:\\[A-Za-z]+\{\}|\\.|[^{}\\])*)\}")
+_MATH_SYMBOLS = {"<": r"\lt", ">": r"\gt", "[": r"\lbrack", "]": r"\rbrack"}
+_HTML_OUTSIDE = re.compile(r"[<>]")
+_IN_TEXT = re.compile(r"[<>\[\]]")
+
+
+def math(latex: str) -> str:
+    r"""A LaTeX formula made safe for Markdown: a renderer without math support shows it as
+    text, where ``<img ...>`` in a token would be HTML and ``[a](b)`` a link. Inside
+    ``\text{...}`` (where every token goes) those characters become math symbols between
+    text pieces; elsewhere ``<`` and ``>`` become ``\lt`` and ``\gt`` (MathJax and KaTeX).
+
+    Example:
+        >>> print(math(r"q_{\text{<b>}} = [0.5]"))
+        q_{\text{}\lt\text{b}\gt\text{}} = [0.5]
+    """
+    pieces = _TEXT.split(latex)  # even: outside \\text{}, odd: the inside of one
+    out = []
+    for k, piece in enumerate(pieces):
+        if k % 2:
+            inside = _IN_TEXT.sub(lambda m: "}" + _MATH_SYMBOLS[m.group(0)] + r"\text{", piece)
+            out.append(r"\text{" + inside + "}")
+        else:
+            out.append(_HTML_OUTSIDE.sub(lambda m: "{" + _MATH_SYMBOLS[m.group(0)] + "}", piece))
+    return "".join(out)
 
 
 def _latex_line(equation: Equation) -> str:

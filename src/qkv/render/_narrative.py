@@ -10,14 +10,16 @@ they reproduce the recorded numbers, so a renderer never shows arithmetic that i
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from qkv.render._format import latex_escape, number
-from qkv.render._model import Fact, Math, Narrative, Section, StepView, Table
+from qkv.render._format import latex_escape, latex_visible, number, visible
+from qkv.render._model import Equation, Fact, Math, Narrative, Section, StepView, Table
 from qkv.render._vocabulary import LATEX_FORMULAS, PLAIN_FORMULAS, TITLES, meaning
 from qkv.render._worked import WorkedLines
 from qkv.trace import Step, Trace
@@ -65,13 +67,78 @@ def narrate(trace: Trace, *, precision: int = 4) -> Narrative:
                 prefix += f", batch 1 of {builder.batch}"
         sections.extend(builder.sections(prefix))
     meta = trace.meta
-    return Narrative(
-        title=str(meta.get("name") or "Attention, step by step"),
-        description=str(meta.get("description") or ""),
-        facts=tuple(builders[-1].facts()),
-        sections=tuple(sections),
-        precision=precision,
+    return _visible(
+        Narrative(
+            title=str(meta.get("name") or "Attention, step by step"),
+            description=_description(trace, builders[-1]),
+            facts=tuple(builders[-1].facts()),
+            sections=tuple(sections),
+            precision=precision,
+        )
     )
+
+
+def _visible(n: Narrative) -> Narrative:
+    """The narrative with every control character of every string written out visibly
+    (tokens, names, layer and step names come from files anyone may write)."""
+
+    def math(m: Math) -> Math:
+        return Math(visible(m.plain), latex_visible(m.latex))
+
+    def step(view: StepView) -> StepView:
+        table = view.table
+        if table is not None:
+            table = dataclasses.replace(
+                table,
+                corner=visible(table.corner),
+                rows=tuple(visible(r) for r in table.rows),
+                columns=tuple(visible(c) for c in table.columns),
+            )
+        return dataclasses.replace(
+            view,
+            title=visible(view.title),
+            formula=math(view.formula),
+            meaning=visible(view.meaning),
+            table=table,
+            equations=tuple(
+                Equation(tuple(tuple(math(t) for t in side) for side in eq.sides))
+                for eq in view.equations
+            ),
+            notes=tuple(visible(note) for note in view.notes),
+        )
+
+    return Narrative(
+        title=visible(n.title),
+        description=visible(n.description, newlines=True),
+        facts=tuple(
+            Fact(visible(f.label), visible(f.plain), latex_visible(f.latex)) for f in n.facts
+        ),
+        sections=tuple(
+            Section(None if s.title is None else visible(s.title), tuple(step(v) for v in s.steps))
+            for s in n.sections
+        ),
+        precision=n.precision,
+    )
+
+
+def _description(trace: Trace, builder: _CallBuilder) -> str:
+    """The example's description; when ``--query`` shows other queries than the ones it was
+    written for, a sentence says which are shown, so that the text matches the tables."""
+    meta = trace.meta
+    text = str(meta.get("description") or "")
+    own, wanted = meta.get("example_queries"), meta.get("queries")
+    if not text or wanted is None or not isinstance(own, list) or list(wanted) == own:
+        return text
+    shown = builder.queries if builder.queries is not None else []
+    names = [f'"{builder.query_labels[i]}"' for i in shown]
+    if not names:
+        return text
+    plural = "queries" if len(names) > 1 else "query"
+    return f"{text} Shown here for the {plural} {_and(names)} instead."
+
+
+def _and(items: Sequence[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 def _split_calls(steps: Sequence[Step]) -> list[list[Step]]:
@@ -98,14 +165,16 @@ def _size(steps: Sequence[Step], axis: str) -> int | None:
 
 
 def _labels(given: Sequence[str] | None, n: int, prefix: str) -> list[str]:
-    """Token labels, with repeated tokens told apart by their 0-based position (``the#4``)."""
+    """Token labels, with repeated tokens told apart by their 0-based position (``the#4``);
+    control characters are written out (:func:`~qkv.render._format.visible`)."""
     if given is None or len(given) != n:
         return [f"{prefix}{i}" for i in range(n)]
     counts: dict[str, int] = {}
     for token in given:
         counts[token] = counts.get(token, 0) + 1
     return [
-        f"{token}#{i}" if counts[token] > 1 or not token else token for i, token in enumerate(given)
+        visible(f"{token}#{i}" if counts[token] > 1 or not token else token)
+        for i, token in enumerate(given)
     ]
 
 
@@ -116,7 +185,7 @@ def _labels_at(given: Sequence[str], positions: Sequence[int]) -> list[str]:
     for token in given:
         counts[token] = counts.get(token, 0) + 1
     return [
-        f"{token}#{i}" if counts[token] > 1 or not token else token
+        visible(f"{token}#{i}" if counts[token] > 1 or not token else token)
         for token, i in zip(given, positions, strict=True)
     ]
 
@@ -174,8 +243,8 @@ def query_position(wanted: object, labels: Sequence[str], rows: Sequence[int] | 
     0-based position; with ``rows`` (a selection), a position is an original one (``-1`` the
     last kept row). None: no such query."""
     lq = len(labels)
-    if isinstance(wanted, str) and wanted in labels:
-        return labels.index(wanted)
+    if isinstance(wanted, str) and visible(wanted) in labels:
+        return labels.index(visible(wanted))
     if not isinstance(wanted, int) or isinstance(wanted, bool) or lq == 0:
         return None
     if rows is not None and len(rows) == lq and wanted >= 0:
@@ -387,7 +456,8 @@ class _CallBuilder:
             text = "causal: each token attends only to itself and the tokens before it"
             facts.append(Fact("mask", text, latex_escape(text)))
         elif meta.get("mask"):
-            facts.append(Fact("mask", str(meta["mask"]), latex_escape(str(meta["mask"]))))
+            text = _mask_text(str(meta["mask"]), steps)
+            facts.append(Fact("mask", text, latex_escape(text)))
         queries = self._queries_fact()
         if queries is not None:
             facts.append(queries)
@@ -582,6 +652,49 @@ class _CallBuilder:
         return list(self.queries) if self.queries is not None else list(range(n))
 
 
+_RULE_WORDS = (
+    (re.compile(r"causal\('(top-left|bottom-right)'\)"), r"causal (\1)"),
+    (re.compile(r"key_padding\(\[([0-9, ]*)\]\)"), r"key padding (lengths \1)"),
+)
+
+
+def _mask_text(described: str, steps: Sequence[Step]) -> str:
+    """What the mask of a call is, in words: ``causal (top-left)``, ``key padding (lengths
+    3, 5)``, or for a boolean array what its pattern is (read from the masked scores)."""
+    if not described.startswith("boolean array"):
+        for pattern, words in _RULE_WORDS:
+            described = pattern.sub(words, described)
+        return described
+    masked = next((s for s in steps if s.name == "masked"), None)
+    if masked is None or not {"query", "key"} <= set(masked.axes):
+        return "a boolean mask"
+    value = np.asarray(masked.value)
+    axes = list(masked.axes)
+    if "head" in axes:  # a boolean mask is the same for every head: look at the first
+        value = np.take(value, 0, axis=axes.index("head"))
+        axes.remove("head")
+    allowed = np.isfinite(value).reshape(-1, value.shape[axes.index("query")], value.shape[-1])
+    lk = allowed.shape[-1]
+    if all((a == a[:1]).all() for a in allowed):  # every query sees the same keys: padding
+        rows = [a[0] for a in allowed]
+        lengths = [int(r.sum()) for r in rows]
+        if all(r[:n].all() for r, n in zip(rows, lengths, strict=True)):
+            if all(n == lk for n in lengths):
+                return "a boolean mask; it blocks no key here"
+            listed = ", ".join(map(str, lengths))
+            return f"key padding (length{'s' * (len(lengths) > 1)} {listed} of {lk} keys)"
+        if len(lengths) == 1:
+            return f"a boolean mask: {lk - lengths[0]} of {lk} keys blocked for every query"
+        counts = ", ".join(str(lk - n) for n in lengths)
+        return f"a boolean mask: the same keys blocked for every query ({counts} of {lk})"
+    lq = allowed.shape[1]
+    if lq == lk and all((a == np.tril(np.ones((lq, lk), bool))).all() for a in allowed):
+        return "causal (a boolean mask): each token attends to itself and the tokens before it"
+    blocked = int((~allowed[0]).sum())
+    where = " of batch element 1" if len(allowed) > 1 else ""
+    return f"a boolean mask: {blocked} of {allowed[0].size} query-key pairs{where} blocked"
+
+
 def _last_dim(steps: Sequence[Step], name: str) -> int | None:
     for step in steps:
         if step.name == name and step.value.ndim:
@@ -591,7 +704,7 @@ def _last_dim(steps: Sequence[Step], name: str) -> int | None:
 
 def _list_fact(label: str, tokens: list[Any]) -> Fact:
     names = [str(t) for t in tokens]
-    suffix = f" ({len(names)} tokens)"
+    suffix = f" ({len(names)} token{'s' * (len(names) != 1)})"
     return Fact(
         label,
         ", ".join(names) + suffix,

@@ -9,8 +9,10 @@ after recording, a bias the softmax line cannot see) is left out rather than pri
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -23,6 +25,9 @@ __all__ = ["WorkedLines"]
 _MAX_WORKED_KEYS = 8  # dot products and softmax terms written out for at most this many keys
 _MAX_WORKED_DIMS = 8  # dot products written out for d_k up to this
 _MAX_WEIGHTED_SUMS = 32  # context vectors written as weighted sums
+_MAX_EXTRA_DECIMALS = 4  # a line whose rounded numbers do not add up gets up to this many more
+
+_Line = tuple[Equation, bool]
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,7 @@ class WorkedLines:
     scale: tuple[float | None, str | None, int | None]
     precision: int
     query_rows: Sequence[int] | None = None
+    _widened: list[int] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def p(self) -> int:
@@ -54,8 +60,39 @@ class WorkedLines:
     def _shown(self, n: int) -> list[int]:
         return list(self.queries) if self.queries is not None else list(range(n))
 
+    def _widest(self, line: Callable[[int], _Line]) -> list[Equation]:
+        """The line at the run's precision when it reads true (:func:`_holds`); else with up
+        to :data:`_MAX_EXTRA_DECIMALS` more decimals, the fewest that do; else no line. At
+        ``--precision 0`` the weights 0.3, 0.3, 0.4 are all 0, and "0 + 0 + 0 = 1" would
+        contradict itself."""
+        for p in range(self.p, min(self.p + _MAX_EXTRA_DECIMALS, 15) + 1):
+            equation, holds = line(p)
+            if holds:
+                if p > self.p:
+                    self._widened.append(p)
+                return [equation]
+        self._widened.append(-1)
+        return []
+
     def for_step(self, name: str, seen: dict[str, np.ndarray]) -> tuple[list[Equation], list[str]]:
         """The worked lines and notes of step ``name``, given the section's steps so far."""
+        self._widened.clear()
+        lines, notes = self._lines(name, seen)
+        widened = sorted(set(self._widened))
+        if widened and widened[0] == -1:
+            notes.append(
+                f"Lines whose numbers, rounded to {_decimals(self.p)}, would not add up "
+                "are left out."
+            )
+            widened = widened[1:]
+        if widened:
+            notes.append(
+                f"Worked out with {_decimals(widened[-1])} instead of {self.p}: rounded to "
+                f"{_decimals(self.p)}, the numbers of the line would not add up."
+            )
+        return lines, notes
+
+    def _lines(self, name: str, seen: dict[str, np.ndarray]) -> tuple[list[Equation], list[str]]:
         if name == "Q":
             return self._projection(seen), []
         if name == "scores":
@@ -81,14 +118,19 @@ class WorkedLines:
         if w.shape != (x.shape[1], q.shape[1]) or not np.allclose(x @ w, q, rtol=1e-6, atol=1e-9):
             return []  # several heads, a bias or a different source: nothing simple to show
         i, query = self.worked, self.query_labels[self.worked]
-        embedding = _vector(x[i], self.p)
-        sides = (
-            (Math(f"q_{query}", rf"q_{{{_tex_token(query)}}}"),),
-            (Math(f"x_{query}·W_q", rf"x_{{{_tex_token(query)}}} W_q"),),
-            (Math(f"{embedding.plain}·W_q", rf"{embedding.latex}\, W_q"),),
-            (_vector(q[i], self.p),),
-        )
-        return [Equation(sides)]
+
+        def line(p: int) -> _Line:
+            embedding = _vector(x[i], p)
+            sides = (
+                (Math(f"q_{query}", rf"q_{{{_tex_token(query)}}}"),),
+                (Math(f"x_{query}·W_q", rf"x_{{{_tex_token(query)}}} W_q"),),
+                (Math(f"{embedding.plain}·W_q", rf"{embedding.latex}\, W_q"),),
+                (_vector(q[i], p),),
+            )
+            carried = 0.5 * 10.0**-p * np.abs(w).sum(axis=0)
+            return Equation(sides), _holds(_shown(x[i], p) @ w, q[i], p, carried)
+
+        return self._widest(line)
 
     def _scaling(self, seen: dict[str, np.ndarray]) -> list[Equation]:
         """``S'[love, I] = 1.1160 / √2 = 0.7891`` for the worked query and its first key."""
@@ -99,14 +141,23 @@ class WorkedLines:
         if float(scale) == 1.0 or not np.allclose(scores * float(scale), scaled, rtol=1e-6):
             return []
         i, query, key = self.worked, self.query_labels[self.worked], self.key_labels[0]
-        s = number(float(scores[i, 0]), self.p)
-        if mode == "sqrt_dk" and d_k:
-            middle = Math(f"{s} / √{d_k}", rf"\frac{{{s}}}{{\sqrt{{{d_k}}}}}")
-        else:
-            factor = number(float(scale), self.p)
-            middle = Math(f"{s} × {factor}", rf"{s} \times {factor}")
         lhs = Math(f"S'[{query}, {key}]", rf"S'_{{{_tex_token(query)},\,{_tex_token(key)}}}")
-        return [Equation(((lhs,), (middle,), (_num(float(scaled[i, 0]), self.p),)))]
+
+        def line(p: int) -> _Line:
+            s = number(float(scores[i, 0]), p)
+            if mode == "sqrt_dk" and d_k:
+                middle = Math(f"{s} / √{d_k}", rf"\frac{{{s}}}{{\sqrt{{{d_k}}}}}")
+                by_hand = _shown(scores[i, 0], p) / math.sqrt(d_k)
+                carried = 0.5 * 10.0**-p / math.sqrt(d_k)
+            else:
+                factor = number(float(scale), p)
+                middle = Math(f"{s} × {factor}", rf"{s} \times {factor}")
+                by_hand = _shown(scores[i, 0], p) * _shown(float(scale), p)
+                carried = 0.5 * 10.0**-p * (abs(float(scale)) + abs(float(scores[i, 0])))
+            equation = Equation(((lhs,), (middle,), (_num(float(scaled[i, 0]), p),)))
+            return equation, _holds(by_hand, scaled[i, 0], p, carried)
+
+        return self._widest(line)
 
     def _dot_products(self, seen: dict[str, np.ndarray]) -> tuple[list[Equation], list[str]]:
         q, k, s = seen.get("Q"), seen.get("K"), seen.get("scores")
@@ -125,8 +176,15 @@ class WorkedLines:
             lhs = Math(
                 f"q_{query}·k_{key}", rf"q_{{{_tex_token(query)}}} \cdot k_{{{_tex_token(key)}}}"
             )
-            terms = tuple(_product(a, b, self.p) for a, b in zip(q[i], k[j], strict=True))
-            lines.append(Equation(((lhs,), terms, (_num(float(s[i, j]), self.p),))))
+
+            def line(p: int, j: int = j, lhs: Math = lhs) -> _Line:
+                terms = tuple(_product(a, b, p) for a, b in zip(q[i], k[j], strict=True))
+                equation = Equation(((lhs,), terms, (_num(float(s[i, j]), p),)))
+                by_hand = _shown(q[i], p) @ _shown(k[j], p)
+                carried = 0.5 * 10.0**-p * (np.abs(q[i]).sum() + np.abs(k[j]).sum())
+                return equation, _holds(by_hand, s[i, j], p, carried)
+
+            lines += self._widest(line)
         notes = []
         if k.shape[0] > len(keys):
             notes.append(f"The dot products with the first {len(keys)} of {k.shape[0]} keys.")
@@ -160,17 +218,33 @@ class WorkedLines:
         row, query = source[i], self.query_labels[i]
         j = int(np.flatnonzero(np.isfinite(row))[0])
         key = self.key_labels[j]
-        exps = [_exp(float(v), self.p) for v in row]
         lhs = Math(f"A[{query}, {key}]", rf"A_{{{_tex_token(query)},\,{_tex_token(key)}}}")
-        middle = Math(
-            f"{exps[j].plain} / ({' + '.join(e.plain for e in exps)})",
-            rf"\frac{{{exps[j].latex}}}{{{' + '.join(e.latex for e in exps)}}}",
-        )
-        softmax = Equation(((lhs,), (middle,), (_num(float(weights[i, j]), self.p),)))
+
+        def softmax(p: int) -> _Line:
+            exps = [_exp(float(v), p) for v in row]
+            middle = Math(
+                f"{exps[j].plain} / ({' + '.join(e.plain for e in exps)})",
+                rf"\frac{{{exps[j].latex}}}{{{' + '.join(e.latex for e in exps)}}}",
+            )
+            equation = Equation(((lhs,), (middle,), (_num(float(weights[i, j]), p),)))
+            shown = _shown(row, p)
+            finite = np.isfinite(shown)
+            by_hand = (
+                np.exp(shown[j] - shown[finite].max())
+                / np.exp(shown[finite] - shown[finite].max()).sum()
+            )
+            carried = 10.0**-p * weights[i, j] * (1 - weights[i, j])  # Σ_k |∂A_j/∂S_k| · ½u
+            return equation, _holds(by_hand, weights[i, j], p, carried)
+
         total = Math(f"Σ_j A[{query}, j]", rf"\sum_j A_{{{_tex_token(query)},\,j}}")
-        terms = tuple(_num(float(w), self.p) for w in weights[i])
-        row_sum = Equation(((total,), terms, (_num(float(weights[i].sum()), self.p),)))
-        return [softmax, row_sum], notes
+
+        def row_sum(p: int) -> _Line:
+            terms = tuple(_num(float(w), p) for w in weights[i])
+            equation = Equation(((total,), terms, (_num(float(weights[i].sum()), p),)))
+            carried = 0.5 * 10.0**-p * weights.shape[1]
+            return equation, _holds(_shown(weights[i], p).sum(), weights[i].sum(), p, carried)
+
+        return self._widest(softmax) + self._widest(row_sum), notes
 
     def _weighted_sums(self, seen: dict[str, np.ndarray]) -> tuple[list[Equation], list[str]]:
         weights = seen.get("dropout", seen.get("weights"))
@@ -188,22 +262,30 @@ class WorkedLines:
         lines, left_out = [], False
         for i in shown[:_MAX_WEIGHTED_SUMS]:
             query = self.query_labels[i]
-            terms = []
-            for j, w in enumerate(weights[i]):
-                if w == 0 and masked is not None and np.isneginf(masked[i, j]):
-                    left_out = True
-                    continue
-                key = self.key_labels[j]
-                terms.append(
-                    Math(
-                        f"{number(float(w), self.p)}·v_{key}",
-                        rf"{latex_number(float(w), self.p)}\,v_{{{_tex_token(key)}}}",
-                    )
-                )
+            kept = [
+                j
+                for j, w in enumerate(weights[i])
+                if not (w == 0 and masked is not None and np.isneginf(masked[i, j]))
+            ]
+            left_out = left_out or len(kept) < weights.shape[1]
             lhs = Math(f"c_{query}", rf"c_{{{_tex_token(query)}}}")
-            result = _vector(context[i], self.p)
-            sides = ((lhs,), tuple(terms), (result,)) if terms else ((lhs,), (result,))
-            lines.append(Equation(sides))
+
+            def line(p: int, i: int = i, kept: list[int] = kept, lhs: Math = lhs) -> _Line:
+                terms = tuple(
+                    Math(
+                        f"{number(float(weights[i, j]), p)}·v_{self.key_labels[j]}",
+                        rf"{latex_number(float(weights[i, j]), p)}"
+                        rf"\,v_{{{_tex_token(self.key_labels[j])}}}",
+                    )
+                    for j in kept
+                )
+                result = _vector(context[i], p)
+                sides = ((lhs,), terms, (result,)) if terms else ((lhs,), (result,))
+                by_hand = _shown(weights[i, kept], p) @ values[kept]
+                carried = 0.5 * 10.0**-p * np.abs(values[kept]).sum(axis=0)
+                return Equation(sides), _holds(by_hand, context[i], p, carried)
+
+            lines += self._widest(line)
         notes = []
         if left_out:
             notes.append("Terms with weight 0 (masked keys) are left out of the weighted sums.")
@@ -213,6 +295,38 @@ class WorkedLines:
                 "as weighted sums."
             )
         return lines, notes
+
+
+def _decimals(n: int) -> str:
+    return f"{n} decimal" + ("" if n == 1 else "s")
+
+
+def _shown(values: Any, precision: int) -> np.ndarray:
+    """The numbers as printed with ``precision`` decimals, read back."""
+    array = np.asarray(values, dtype=np.float64)
+    flat = [float(f"{v:.{precision}f}") for v in array.ravel()]
+    return np.asarray(flat, dtype=np.float64).reshape(array.shape)
+
+
+def _holds(by_hand: Any, result: Any, precision: int, carried: Any = 0.0) -> bool:
+    """Whether a line written with ``precision`` decimals reads true.
+
+    True when the arithmetic redone with the printed numbers (``by_hand``) gives the printed
+    result within half a unit of its last decimal; or, failing that, when the rounding the
+    printed numbers carry (``carried``: how far their half units can move the result, plus
+    the result's own half unit) stays within 5% of the result, so that a reader sees a
+    difference in the last digit, not a contradiction like "0 + 0 + 0 = 1".
+    """
+    by_hand = np.asarray(by_hand, dtype=np.float64)
+    printed = _shown(result, precision)
+    if not (np.isfinite(by_hand).all() and np.isfinite(printed).all()):
+        return bool(np.array_equal(by_hand, printed))
+    half = 0.5 * 10.0**-precision
+    off = np.abs(by_hand - printed)
+    exact = off <= half * (1 + 1e-6) + 1e-9 * np.maximum(1.0, np.abs(printed))
+    bound = half + np.abs(np.asarray(carried, dtype=np.float64))
+    close = (off <= bound * (1 + 1e-6)) & (bound <= 0.05 * np.abs(printed))
+    return bool(np.all(exact | close))
 
 
 def _product(a: float, b: float, precision: int) -> Math:

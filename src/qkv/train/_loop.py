@@ -20,7 +20,6 @@ either complete or absent: saves are atomic).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import signal
@@ -28,7 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from types import FrameType
 from typing import Any, Protocol
@@ -39,6 +38,7 @@ from torch import nn
 
 from qkv.train._checkpoint import (
     CheckpointError,
+    check_resume_state,
     latest_checkpoint,
     load_checkpoint,
     restore_rng_states,
@@ -233,6 +233,8 @@ class FitResult:
         best_step, best_accuracy, best_loss: the best validation evaluation.
         rows: every evaluation, as in ``metrics.jsonl``.
         seconds: training time in all (a resumed run adds its time to the earlier one's).
+        plot_skipped: why ``metrics.png`` was not drawn (e.g. matplotlib is not installed:
+            "needs qkv[viz]"), or None when it was.
     """
 
     out: Path
@@ -243,6 +245,7 @@ class FitResult:
     best_loss: float | None
     rows: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
+    plot_skipped: str | None = None
 
     @property
     def best(self) -> Path:
@@ -389,7 +392,7 @@ def fit(
         raise
     if state.step != saved_at:  # finished between evaluations (resumed past the last step)
         save(CHECKPOINTS)
-    _plot(log, folder, title)
+    plot_skipped = _plot(log, folder, title)
     return FitResult(
         out=folder,
         step=state.step,
@@ -399,6 +402,7 @@ def fit(
         best_loss=state.best_loss,
         rows=list(log.rows),
         seconds=state.seconds,
+        plot_skipped=plot_skipped,
     )
 
 
@@ -498,6 +502,7 @@ def _restore(
             hint="give the --out folder of an earlier run, or start without --resume",
         )
     checkpoint = load_checkpoint(where, expected_shapes=model.state_dict())
+    check_resume_state(checkpoint, optimizer, [f.name for f in fields(_LoopState)])
     model.load_state_dict(checkpoint.tensors)
     try:
         optimizer.load_state_dict(checkpoint.state["optimizer"])
@@ -517,13 +522,18 @@ def _restore(
     return state
 
 
-def _plot(log: MetricsLog, folder: Path, title: str) -> None:
+def _plot(log: MetricsLog, folder: Path, title: str) -> str | None:
+    """Draw ``metrics.png``; None when drawn, else why not (the metrics are there; the plot
+    is only a view of them, so a missing matplotlib does not stop the run)."""
     if not log.rows:
-        return
+        return "no evaluation yet"
     from qkv._extras import MissingExtraError
 
-    with contextlib.suppress(MissingExtraError):  # the metrics are there; the plot is a view
+    try:
         plot_metrics(log.rows, folder / PLOT, title=title)
+    except MissingExtraError:
+        return "matplotlib is not installed; needs qkv[viz]"
+    return None
 
 
 class _DeferredInterrupt:
@@ -617,7 +627,10 @@ class _Bar:
         )
 
     def evaluated(self, row: Mapping[str, Any]) -> None:
+        """Show the evaluation just made (the bar's last line must not lag one behind)."""
         self.val = f"{row['val_accuracy']:.4f}"
+        if self.progress is not None:
+            self.progress.update(self.task, val=self.val)
 
     def note(self, text: str) -> None:
         print(f"qkv: {text}", file=sys.stderr)

@@ -17,7 +17,12 @@ from torch import nn
 
 from qkv.data import Vocabulary
 from qkv.trace import Trace, tracing
-from qkv.train._checkpoint import CheckpointError, CheckpointMismatchError, load_checkpoint
+from qkv.train._checkpoint import (
+    CheckpointError,
+    CheckpointMismatchError,
+    check_run_config,
+    load_checkpoint,
+)
 from qkv.train._loop import BEST, CHECKPOINTS, Evaluation, evaluate
 from qkv.train._models import build_model
 from qkv.train._tasks import UNK, RecallTask, batches_of, encode_texts
@@ -62,6 +67,7 @@ def load_trained(path: str | os.PathLike[str]) -> Trained:
             folder = folder / sub
             break
     checkpoint = load_checkpoint(folder)
+    check_run_config(checkpoint)  # before building: a damaged config allocates nothing
     config = checkpoint.config
     try:
         task, model_config, data = config["task"], config["model"], config["data"]
@@ -79,7 +85,7 @@ def load_trained(path: str | os.PathLike[str]) -> Trained:
         name
         for name, tensor in expected.items()
         if name not in checkpoint.tensors or checkpoint.tensors[name].shape != tensor.shape
-    )
+    ) + sorted(set(checkpoint.tensors) - set(expected))
     if wrong:
         raise CheckpointMismatchError(
             f"the checkpoint's tensors do not fit its model config ({', '.join(wrong[:3])})",
@@ -149,6 +155,7 @@ def explain_text(
     *,
     layer: str | int | None = None,
     queries: int | Sequence[int] | None = None,
+    steps: Sequence[str] | None = None,
 ) -> tuple[Trace, Prediction]:
     """Run the trained model on ``text`` under :func:`qkv.tracing` and label the trace with
     the text's tokens, so the explain renderers show words.
@@ -161,6 +168,8 @@ def explain_text(
             the last block of a recall model.
         queries: which query rows to record; default: every row of a classifier, the last
             (the query key) of a recall model.
+        steps: which steps to record (as :func:`qkv.tracing`'s ``steps``), e.g.
+            ``("weights", "context")``; default: every step.
 
     Returns:
         The trace (with ``tokens``, a title and the prediction in its description) and the
@@ -188,7 +197,10 @@ def explain_text(
         queries = -1
     tokens = torch.tensor([ids], dtype=torch.int64)  # (1, L)
     lengths = torch.tensor([len(ids)], dtype=torch.int64)
-    with torch.no_grad(), tracing(model=trained.model, layers=chosen, queries=queries) as trace:
+    with (
+        torch.no_grad(),
+        tracing(model=trained.model, layers=chosen, queries=queries, steps=steps) as trace,
+    ):
         trace.tokens = list(words)
         logits = trained.model(tokens, lengths)[0]  # (C,)
     if chosen == "pool.attn":
@@ -267,7 +279,7 @@ def _check_known(sequences: Sequence[Sequence[str]], vocabulary: Vocabulary) -> 
 def _layer(layer: str | int | None, modules: list[str], task: str) -> str:
     if layer is None:
         return "block.attn" if "block.attn" in modules else modules[-1]
-    if isinstance(layer, int) or layer.lstrip("-").isdigit():
+    if isinstance(layer, int) or layer.lstrip("-").isdecimal():
         position = int(layer)
         if -len(modules) <= position < len(modules):
             return modules[position]
