@@ -202,6 +202,11 @@ def embeddings(draw: st.DrawFn) -> Embeddings:
     fmt="word2vec-binary",
     precision=None,
 )
+@example(  # float32 bytes holding a newline (0.02 is 0A D7 A3 3C): still binary by their layout
+    e=Embeddings(("0", "00"), np.array([[0.02, 91905.0, 0.02], [0.0] * 3], dtype=np.float32)),
+    fmt="word2vec-binary",
+    precision=None,
+)
 @example(  # the largest float32, rounded to 7 digits, would overflow to inf
     e=Embeddings(("w",), np.array([[np.finfo(np.float32).max]], dtype=np.float32)),
     fmt="word2vec",

@@ -290,10 +290,10 @@ def test_unreadable(tmp_path, monkeypatch) -> None:
     path = tmp_path / "ex.yaml"
     path.write_text(BASE)
 
-    def refuse(self):
+    def refuse(self, *args):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(type(path), "read_bytes", refuse)
+    monkeypatch.setattr(type(path), "open", refuse)
     with pytest.raises(ExampleError, match=r"cannot be read \(Permission denied\)"):
         load(path)
 

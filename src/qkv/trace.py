@@ -35,6 +35,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -47,8 +48,18 @@ import numpy as np
 
 from qkv._array import Array, library, to_numpy
 from qkv._io import write_atomic
+from qkv._read import FileLimitError, json_value, read_bytes
 
-__all__ = ["STEP_NAMES", "Step", "Trace", "current_trace", "suspended", "tracing"]
+__all__ = [
+    "MAX_TRACE_BYTES",
+    "STEP_NAMES",
+    "Step",
+    "Trace",
+    "TraceFileError",
+    "current_trace",
+    "suspended",
+    "tracing",
+]
 
 STEP_NAMES = (
     "embeddings",
@@ -147,19 +158,44 @@ class Step:
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Step:
-        dtype = np.dtype(data.get("dtype", "float64"))
-        value = np.asarray(_decode(data["value"]), dtype=dtype).reshape(data["shape"])
+    def from_dict(cls, data: Mapping[str, Any], *, field: str = "step") -> Step:
+        """A step from :meth:`to_dict`'s form, every field checked.
+
+        Raises:
+            TraceFileError: a field is missing or of the wrong type, the value does not
+                match the shape, or a number does not fit the dtype; the message names the
+                field (``steps[2].shape``).
+        """
+        data = _expect(data, Mapping, field, "an object with name, axes, shape and value")
+        name = _expect(_required(data, "name", field), str, f"{field}.name", "a step name")
+        if name not in STEP_NAMES:
+            raise TraceFileError(
+                f"unknown step name {_short(name)}; expected one of {', '.join(STEP_NAMES)}",
+                field=f"{field}.name",
+            )
+        axes = _texts(_required(data, "axes", field), f"{field}.axes", "axis names")
+        shape = _shape(_required(data, "shape", field), f"{field}.shape")
+        if len(axes) != len(shape):
+            raise TraceFileError(
+                f"{len(axes)} axis names for a shape of {len(shape)} dimensions {list(shape)}",
+                field=f"{field}.axes",
+            )
+        dtype = _dtype(data.get("dtype", "float64"), f"{field}.dtype")
+        value = _values(_required(data, "value", field), shape, dtype, f"{field}.value")
+        index = None
+        if data.get("index") is not None:
+            given = _expect(data["index"], Mapping, f"{field}.index", "an object of axis: rows")
+            index = {
+                str(k): list(_whole_numbers(v, f"{field}.index.{k}")) for k, v in given.items()
+            }
         return cls(
-            name=data["name"],
+            name=name,
             value=value,
-            formula=data.get("formula", ""),
-            description=data.get("description", ""),
-            axes=tuple(data["axes"]),
-            layer=data.get("layer"),
-            index={str(k): [int(i) for i in v] for k, v in data["index"].items()}
-            if data.get("index")
-            else None,
+            formula=_optional_text(data, "formula", field) or "",
+            description=_optional_text(data, "description", field) or "",
+            axes=axes,
+            layer=_optional_text(data, "layer", field),
+            index=index or None,
         )
 
 
@@ -478,29 +514,44 @@ class Trace:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Trace:
+        """A trace from :meth:`to_dict`'s form, every field checked.
+
+        Raises:
+            TraceFileError: not a qkv trace, another version, or a field that is missing,
+                of the wrong type or inconsistent; the message names the field.
+        """
+        data = _expect(data, Mapping, "", "a JSON object (a trace saved with Trace.save)")
         if data.get("format") != TRACE_FORMAT:
-            raise ValueError(
-                f"not a qkv trace: 'format' is {data.get('format')!r}, expected {TRACE_FORMAT!r}"
+            raise TraceFileError(
+                f"not a qkv trace: 'format' is {_short(data.get('format'))}, expected "
+                f"{TRACE_FORMAT!r}"
             )
         if data.get("version") != TRACE_VERSION:
-            raise ValueError(
-                f"unsupported trace version {data.get('version')!r}; "
+            raise TraceFileError(
+                f"unsupported trace version {_short(data.get('version'))}; "
                 f"this qkv reads version {TRACE_VERSION}"
             )
-        selection = data.get("selection") or {}
+        selection = _expect(data.get("selection") or {}, Mapping, "selection", "an object")
 
-        def chosen(key: str) -> tuple[Any, ...] | None:
-            return tuple(selection[key]) if selection.get(key) is not None else None
+        def chosen(key: str, kinds: tuple[type, ...]) -> tuple[Any, ...] | None:
+            value = selection.get(key)
+            if value is None:
+                return None
+            items = _expect(value, list, f"selection.{key}", "a list")
+            for i, item in enumerate(items):
+                _expect(item, kinds, f"selection.{key}[{i}]", "a name or a whole number")
+            return tuple(items)
 
+        steps = _expect(_required(data, "steps", ""), list, "steps", "a list of steps")
         return cls(
-            steps=[Step.from_dict(s) for s in data["steps"]],
-            tokens=data.get("tokens"),
-            query_tokens=data.get("query_tokens"),
-            meta=dict(data.get("meta") or {}),
-            layers=chosen("layers"),
-            heads=chosen("heads"),
-            queries=chosen("queries"),
-            record_steps=chosen("record_steps"),
+            steps=[Step.from_dict(s, field=f"steps[{i}]") for i, s in enumerate(steps)],
+            tokens=_token_list(data.get("tokens"), "tokens"),
+            query_tokens=_token_list(data.get("query_tokens"), "query_tokens"),
+            meta=_meta(data.get("meta")),
+            layers=chosen("layers", (str, int)),
+            heads=chosen("heads", (int,)),
+            queries=chosen("queries", (int,)),
+            record_steps=chosen("record_steps", (str,)),
         )
 
     def to_json(self, *, indent: int | None = None) -> str:
@@ -509,7 +560,20 @@ class Trace:
 
     @classmethod
     def from_json(cls, text: str) -> Trace:
-        return cls.from_dict(json.loads(text))
+        """A trace from the JSON text of :meth:`to_json`.
+
+        Raises:
+            TraceFileError: not valid JSON, nested too deeply, or not a valid trace.
+        """
+        try:
+            data = json_value(text)
+        except json.JSONDecodeError as error:
+            raise TraceFileError(
+                f"not valid JSON: {error.msg} (line {error.lineno}, column {error.colno})"
+            ) from None
+        except FileLimitError as error:
+            raise TraceFileError(error.problem) from None
+        return cls.from_dict(data)
 
     def save(self, path: str | Path) -> None:
         """Write the trace as JSON, atomically (a failed write leaves no partial file)."""
@@ -517,7 +581,231 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | Path) -> Trace:
-        return cls.from_json(Path(path).read_text(encoding="utf-8"))
+        """Read a trace saved with :meth:`save`.
+
+        Raises:
+            TraceFileError: not a regular file, larger than :data:`MAX_TRACE_BYTES`, not
+                UTF-8, not valid JSON or not a valid trace; the message names the file and
+                the field.
+            OSError: the file does not exist or cannot be read.
+        """
+        source = os.fspath(path)
+        try:
+            raw = read_bytes(path, limit=MAX_TRACE_BYTES, what="a trace file")
+        except FileLimitError as error:
+            raise TraceFileError(error.problem, source=source) from None
+        try:
+            return cls.from_json(raw.decode("utf-8"))
+        except UnicodeDecodeError as error:
+            raise TraceFileError(
+                f"not UTF-8 text (byte 0x{raw[error.start]:02x} at offset {error.start})",
+                source=source,
+            ) from None
+        except TraceFileError as error:
+            raise TraceFileError(error.problem, field=error.field, source=source) from None
+
+
+MAX_TRACE_BYTES = 1 << 28
+"""The most bytes :meth:`Trace.load` reads (256 MiB): a larger file is refused before it is
+read. Record fewer layers, heads or queries to save a smaller trace."""
+
+
+class TraceFileError(ValueError):
+    """A saved trace that cannot be read: the file, the field and what was expected.
+
+    The message reads ``"trace.json: steps[2].shape: expected a list of whole numbers, got
+    a text 'x'"``; the parts are also attributes.
+
+    Attributes:
+        problem: what is wrong.
+        field: the path of the offending value (``steps[2].shape``), or None.
+        source: the file, when the trace was read from one.
+    """
+
+    def __init__(
+        self, problem: str, *, field: str | None = None, source: str | None = None
+    ) -> None:
+        self.problem = problem
+        self.field = field or None
+        self.source = source
+        super().__init__(": ".join(p for p in (source, self.field, problem) if p))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_error, (self.problem, self.field, self.source))
+
+
+def _rebuild_error(problem: str, field: str | None, source: str | None) -> TraceFileError:
+    return TraceFileError(problem, field=field, source=source)
+
+
+# -- checking a saved trace, field by field ------------------------------------------------
+
+_DTYPE_KINDS = "biuf"  # bool, signed and unsigned integers, floats
+_META_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "name": ((str,), "a text"),
+    "description": ((str,), "a text"),
+    "example": ((str,), "a text"),
+    "scale_mode": ((str,), "a text"),
+    "causal_alignment": ((str,), "a text"),
+    "mask": ((str,), "a text"),
+    "score_mod": ((str,), "a text"),
+    "causal": ((bool,), "true or false"),
+    "scale": ((int, float), "a number"),
+    "d_k": ((int,), "a whole number"),
+    "d_v": ((int,), "a whole number"),
+    "d_model": ((int,), "a whole number"),
+    "num_heads": ((int,), "a whole number"),
+    "num_kv_heads": ((int,), "a whole number"),
+    "queries": ((list,), "a list of tokens or positions"),
+    "example_queries": ((list,), "a list of positions"),
+    "layers": ((dict,), "an object"),
+    "partial": ((dict,), "an object"),
+    "prediction": ((dict,), "an object"),
+}
+
+
+def _short(value: Any) -> str:
+    """A value from the file for a message, at most about 40 characters."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:36] + "…" + text[-3:]
+
+
+def _kind(value: Any) -> str:
+    """What a JSON value is, in words: ``"a list"``, ``"the text 'x'"``, ``"the number 3"``."""
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, str):
+        return f"the text {_short(value)}"
+    if isinstance(value, bool):
+        return f"the truth value {'true' if value else 'false'}"
+    if value is None:
+        return "null"
+    if isinstance(value, int | float):
+        return f"the number {_short(value)}"
+    return type(value).__name__
+
+
+def _expect(value: Any, kinds: Any, field: str, what: str) -> Any:
+    """``value`` when it is one of ``kinds`` (``bool`` is not a number here), else an error."""
+    wanted = kinds if isinstance(kinds, tuple) else (kinds,)
+    ok = isinstance(value, wanted) and not (isinstance(value, bool) and bool not in wanted)
+    if not ok:
+        raise TraceFileError(f"expected {what}, got {_kind(value)}", field=field)
+    return value
+
+
+def _required(data: Mapping[str, Any], key: str, field: str) -> Any:
+    if key not in data:
+        raise TraceFileError(f"the key {key!r} is missing", field=field)
+    return data[key]
+
+
+def _optional_text(data: Mapping[str, Any], key: str, field: str) -> str | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    text: str = _expect(value, str, f"{field}.{key}", "a text")
+    return text
+
+
+def _texts(value: Any, field: str, what: str) -> tuple[str, ...]:
+    items = _expect(value, list, field, f"a list of {what}")
+    return tuple(_expect(item, str, f"{field}[{i}]", "a text") for i, item in enumerate(items))
+
+
+def _token_list(value: Any, field: str) -> list[str] | None:
+    return None if value is None else list(_texts(value, field, "tokens (texts)"))
+
+
+def _whole_numbers(value: Any, field: str) -> tuple[int, ...]:
+    items = _expect(value, list, field, "a list of whole numbers")
+    return tuple(
+        _expect(item, int, f"{field}[{i}]", "a whole number") for i, item in enumerate(items)
+    )
+
+
+def _shape(value: Any, field: str) -> tuple[int, ...]:
+    shape = _whole_numbers(value, field)
+    if any(size < 0 for size in shape):
+        raise TraceFileError(f"expected sizes ≥ 0, got {list(shape)}", field=field)
+    return shape
+
+
+def _dtype(value: Any, field: str) -> np.dtype[Any]:
+    text = _expect(value, str, field, "a NumPy dtype name like 'float64'")
+    try:
+        dtype: np.dtype[Any] | None = np.dtype(text)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.kind not in _DTYPE_KINDS:
+        raise TraceFileError(
+            "expected a dtype of floats, whole numbers or truth values (float64, float32, "
+            f"int64, bool), got {_short(text)}",
+            field=field,
+        )
+    return dtype
+
+
+def _values(value: Any, shape: tuple[int, ...], dtype: np.dtype[Any], field: str) -> np.ndarray:
+    """The numbers of a step as an array of ``shape`` and ``dtype``, each one checked."""
+    count = math.prod(shape)
+    if not shape and isinstance(value, list):
+        raise TraceFileError("expected one number (the shape is []), got a list", field=field)
+    items = value if isinstance(value, list) else [value]
+    if len(items) != count:
+        raise TraceFileError(
+            f"expected {count:,} numbers (the shape is {list(shape)}), got {len(items):,}",
+            field=field,
+        )
+    for i, item in enumerate(items):
+        fine = (
+            item in ("nan", "inf", "-inf")
+            if isinstance(item, str)
+            else isinstance(item, int | float) and (dtype.kind == "b" or not isinstance(item, bool))
+        )
+        if not fine:
+            raise TraceFileError(
+                f"expected a number, 'nan', 'inf' or '-inf', got {_kind(item)}",
+                field=f"{field}[{i}]",
+            )
+    try:
+        numbers = np.array([float(v) for v in items], dtype=np.float64)
+    except OverflowError:
+        raise TraceFileError("a whole number is too large for a float", field=field) from None
+    if dtype.kind in "iub":
+        bad = ~np.isfinite(numbers)
+        bad[~bad] |= numbers[~bad] != np.round(numbers[~bad])
+        if dtype.kind == "b":
+            expected = "true or false"
+            bad |= (numbers != 0) & (numbers != 1)
+        else:
+            info = np.iinfo(dtype)
+            expected = f"a whole number from {info.min} to {info.max}"
+            bad |= (numbers < info.min) | (numbers > info.max)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise TraceFileError(
+                f"expected {expected} (the dtype is {dtype}), got {_kind(items[i])}",
+                field=f"{field}[{i}]",
+            )
+    with np.errstate(over="ignore"):  # float64 numbers beyond float16/float32 become ±inf
+        return numbers.astype(dtype).reshape(shape)
+
+
+def _meta(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    meta = dict(_expect(value, Mapping, "meta", "an object"))
+    for key, (kinds, what) in _META_TYPES.items():
+        if meta.get(key) is not None:
+            _expect(meta[key], kinds, f"meta.{key}", what)
+    for i, query in enumerate(meta.get("queries") or []):
+        _expect(query, (int, str), f"meta.queries[{i}]", "a token or a position")
+    for i, query in enumerate(meta.get("example_queries") or []):
+        _expect(query, int, f"meta.example_queries[{i}]", "a position")
+    return meta
 
 
 _PARAMETER_STEPS = ("W_q", "W_k", "W_v", "W_o")

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import codecs
-import gzip
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
 from qkv.embeddings._binary import BinaryReader
-from qkv.embeddings._source import FORMATS, detect, open_file
+from qkv.embeddings._source import FORMATS, data_size, detect, open_file
 from qkv.embeddings._text import TextReader
 from qkv.embeddings._vectors import Embeddings
 
@@ -92,7 +91,8 @@ def load(
     file = Path(path)
     source = os.fspath(path)
     chosen = detect(file, source, encoding=encoding).format if format == "auto" else format
-    with open_file(file) as handle:
+    size = data_size(file, source)  # bounds what a header may claim: nothing huge is allocated
+    with open_file(file, source) as handle:
         if chosen == "word2vec-binary":
             words, vectors = BinaryReader(
                 handle,
@@ -102,6 +102,7 @@ def load(
                 duplicates=duplicates,
                 limit=limit,
                 wanted=wanted,
+                size_hint=size,
             ).read()
         else:
             text = TextReader(
@@ -111,7 +112,7 @@ def load(
                 duplicates=duplicates,
                 limit=limit,
                 wanted=wanted,
-                size_hint=None if isinstance(handle, gzip.GzipFile) else file.stat().st_size,
+                size_hint=size,
             )
             words, vectors = text.read(handle, header=chosen != "glove", auto=format == "auto")
     return Embeddings(words, vectors, format=chosen, source=source)

@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import codecs
 import gzip
+import io
 import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, cast
+from typing import Any, BinaryIO, cast
 
+from qkv._read import FileLimitError, check_regular, size_text
 from qkv.embeddings._errors import EmbeddingsFileError
 
 FORMATS: tuple[str, ...] = ("word2vec", "word2vec-binary", "glove", "fasttext")
@@ -33,6 +36,13 @@ FORMATS: tuple[str, ...] = ("word2vec", "word2vec-binary", "glove", "fasttext")
 HEADER_FORMATS = ("word2vec", "word2vec-binary", "fasttext")
 MAX_LINE = 1 << 20  # the first line (a header or a GloVe line) is read up to this many bytes
 PROBE = 1 << 16  # bytes after the header looked at to tell text from binary (at least)
+MAX_DIM = 1 << 16
+"""The most numbers per vector a header may claim (65,536): more is a damaged header, and
+reading it would allocate memory for nothing."""
+GZIP_RATIO = 50
+"""A ``.gz`` file may unpack to at most this many times its size (word vectors compress
+about 3:1), or :data:`GZIP_FLOOR`, whichever is larger: a gzip bomb stops with an error."""
+GZIP_FLOOR = 1 << 26
 BOM = codecs.BOM_UTF8
 _GZIP_MAGIC = b"\x1f\x8b"
 _HEADER = re.compile(rb"[ \t]*(\d+)[ \t]+(\d+)[ \t]*\r?\n?")
@@ -58,14 +68,88 @@ class Detected:
     reason: str
 
 
-def open_file(path: Path) -> BinaryIO:
-    """The file's bytes, decompressed when it is gzip (recognised by its magic bytes)."""
+def open_file(path: Path, source: str | None = None) -> BinaryIO:
+    """The file's bytes, decompressed when it is gzip (recognised by its magic bytes).
+
+    Raises:
+        EmbeddingsFileError: not a regular file (a directory, ``/dev/zero``, a pipe).
+        OSError: the file does not exist or cannot be read.
+    """
+    where = source if source is not None else str(path)
+    size = _regular_size(path, where)
     handle = path.open("rb")
     if handle.read(2) == _GZIP_MAGIC:
-        handle.close()
-        return cast(BinaryIO, gzip.open(path, "rb"))
+        handle.seek(0)
+        raw = _Gunzip(handle, where, gzip_limit(size))
+        return cast(BinaryIO, io.BufferedReader(raw, buffer_size=1 << 20))
     handle.seek(0)
     return handle
+
+
+def gzip_limit(size: int) -> int:
+    """The most bytes a ``.gz`` file of ``size`` bytes may unpack to."""
+    return max(GZIP_FLOOR, GZIP_RATIO * size)
+
+
+def data_size(path: Path, source: str) -> int:
+    """An upper bound on the bytes a reader will see: the file's size, or for a ``.gz`` file
+    the most it may unpack to. Claimed counts are checked against it before allocating."""
+    size = _regular_size(path, source)
+    with path.open("rb") as handle:
+        gz = handle.read(2) == _GZIP_MAGIC
+    return gzip_limit(size) if gz else size
+
+
+def _regular_size(path: Path, source: str) -> int:
+    try:
+        return check_regular(path, what="a word-vector file")
+    except FileLimitError as error:
+        raise EmbeddingsFileError(error.problem, source=source, hint=error.hint) from None
+
+
+class _Gunzip(io.RawIOBase):
+    """The unpacked bytes of a gzip file, stopping with an :class:`EmbeddingsFileError` when
+    they exceed ``limit`` (a gzip bomb) or the data is truncated or damaged."""
+
+    def __init__(self, handle: BinaryIO, source: str, limit: int) -> None:
+        super().__init__()
+        self._handle = handle
+        self._inner = gzip.GzipFile(fileobj=handle, mode="rb")
+        self._source = source
+        self._limit = limit
+        self._total = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        try:
+            data = self._inner.read(len(view))
+        except (EOFError, zlib.error, gzip.BadGzipFile) as error:
+            raise EmbeddingsFileError(
+                f"the gzip data is truncated or damaged ({error})",
+                source=self._source,
+                hint="the file was cut short or changed (an interrupted download or copy?); "
+                "download it again, or check it with 'gzip -t'",
+            ) from None
+        self._total += len(data)
+        if self._total > self._limit:
+            raise EmbeddingsFileError(
+                f"the gzip file unpacks to more than {size_text(self._limit)}, over "
+                f"{GZIP_RATIO} times its size: word vectors do not compress that well",
+                source=self._source,
+                offset=self._limit,
+                hint="is this the right file? If it is, unpack it first (gunzip) and load that",
+            )
+        view[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._inner.close()
+            self._handle.close()
+        super().close()
 
 
 def parse_header(line: bytes) -> Header | None:
@@ -92,9 +176,11 @@ def detect(path: Path, source: str, *, encoding: str) -> Detected:
     Raises:
         EmbeddingsFileError: the file is empty, or its header says DIM = 0.
     """
-    with open_file(path) as handle:
+    with open_file(path, source) as handle:
         first = handle.readline(MAX_LINE)
         header = parse_header(first)
+        if header is not None:
+            check_header(header, source)  # before reading a probe sized by DIM
         probe = handle.read(max(PROBE, 32 * header.dim + 4096) if header else 0)
     if not first:
         raise EmbeddingsFileError(
@@ -122,6 +208,14 @@ def check_header(header: Header, source: str) -> None:
             line=1,
             hint="the header is 'COUNT DIM', e.g. '400000 300'; DIM must be at least 1",
         )
+    if header.dim > MAX_DIM:
+        raise EmbeddingsFileError(
+            f"the header says each vector has DIM = {header.dim:,} numbers; qkv reads at "
+            f"most {MAX_DIM:,}",
+            source=source,
+            line=1,
+            hint="the header is 'COUNT DIM', e.g. '400000 300'; this one looks damaged",
+        )
 
 
 def looks_binary(probe: bytes, dim: int, *, encoding: str) -> bool:
@@ -137,10 +231,11 @@ def looks_binary(probe: bytes, dim: int, *, encoding: str) -> bool:
     after = space + 1 + 4 * dim
     if space >= 0 and b"\n" not in region and body[after : after + 1] == b"\n":
         return True  # not numbers, but exactly 4·DIM bytes then a newline: float32 data
-    first_line = region.split(b"\n", 1)[0]
+    # All of the region, not only up to its first newline: float32 data may hold 0x0A (0.02
+    # is 0A D7 A3 3C), and the bytes after it are then what is not text.
     decoder = codecs.getincrementaldecoder(encoding)("strict")
     try:
-        decoder.decode(first_line, final=False)
+        decoder.decode(region, final=False)
     except UnicodeDecodeError:
         return True
     return False

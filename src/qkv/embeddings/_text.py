@@ -27,6 +27,7 @@ from qkv.embeddings._source import BOM, MAX_LINE, check_header, number, parse_he
 from qkv.embeddings._vectors import FloatMatrix
 
 BLOCK_BYTES = 1 << 22  # lines are read in blocks of about this many bytes
+MAX_TEXT_LINE = 1 << 24  # a line longer than this (16 MiB) is not a word vector
 
 
 @dataclass
@@ -122,10 +123,30 @@ class TextReader:
         if pending:
             yield pending, first_line
             first_line += len(pending)
-        while True:
-            block = handle.readlines(BLOCK_BYTES)
-            if not block:
+        rest = b""
+        while True:  # read in blocks and cut at newlines: a line never grows without bound
+            chunk = handle.read(BLOCK_BYTES)
+            data = rest + chunk if rest else chunk
+            if not chunk:
+                if data:
+                    yield [data], first_line
                 return
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:
+                if len(data) > MAX_TEXT_LINE:
+                    raise EmbeddingsFileError(
+                        f"the line is longer than {MAX_TEXT_LINE:,} bytes",
+                        source=self.source,
+                        line=first_line,
+                        hint="a line is a word and its numbers; is this a word-vector file?",
+                    )
+                rest = data
+                continue
+            rest = data[cut:]
+            if not data[:cut].strip():  # blank lines only: skipped at C speed, not one by one
+                first_line += data.count(b"\n", 0, cut)
+                continue
+            block = io.BytesIO(data[:cut]).readlines()
             yield block, first_line
             first_line += len(block)
 

@@ -23,7 +23,7 @@ import numpy as np
 import yaml
 
 from qkv.examples._model import Claimed, Example
-from qkv.examples._nodes import NodeReader, describe, join, line_of
+from qkv.examples._nodes import NodeReader, describe, join, line_of, shorten
 from qkv.examples._text import Kind, compose, kind_of, read_text
 
 FORMAT_VERSION = 1
@@ -43,6 +43,9 @@ OPTION_KEYS = ("scale", "causal", "queries")
 CLAIMABLE = ("Q", "K", "V", "scores", "scaled", "weights", "context", "output")
 """The steps whose rows an example may claim, in the order of computation."""
 
+MAX_TOKENS = 2048
+"""The most tokens an example may have: every step is shown for every pair of tokens, so the
+(L, L) matrices of a longer example would not fit the memory (or a screen)."""
 _REQUIRED = ("tokens", "embeddings", "weights")
 _WHERE = "; every example needs tokens, embeddings and weights (see docs/example-format.md)"
 # Keys written in the wrong place or under another name, for "did you mean".
@@ -159,7 +162,12 @@ def _from_node(root: yaml.Node, source: str, slug: str | None) -> Example:
             raise r.error(
                 node,
                 "format",
-                f"unsupported format {node.value!r}",
+                "unsupported format "
+                + (
+                    repr(shorten(str(node.value)))
+                    if isinstance(node, yaml.ScalarNode)
+                    else describe(node)
+                ),
                 f"this qkv reads format {FORMAT_VERSION}; write 'format: 1' or leave it out",
             )
     name = _name(r, top, source)
@@ -238,6 +246,14 @@ def _tokens(r: NodeReader, node: yaml.Node) -> tuple[str, ...]:
             node,
             "tokens",
             f"expected a list of tokens like [I, love, statistics], got {got}",
+        )
+    if len(node.value) > MAX_TOKENS:
+        raise r.error(
+            node,
+            "tokens",
+            f"expected at most {MAX_TOKENS:,} tokens, got {len(node.value):,}",
+            "a worked example shows every step for every pair of tokens; for long sequences "
+            "use qkv.tracing(queries=[...]) on qkv.scaled_dot_product_attention",
         )
     tokens = []
     for i, item in enumerate(node.value):
@@ -332,7 +348,7 @@ def _heads(r: NodeReader, node: yaml.Node, d_k: int, d_v: int) -> int:
             raise r.error(
                 node,
                 "heads",
-                f"{heads} heads do not divide {what}",
+                f"{shorten(str(heads))} heads do not divide {what}",
                 "the columns split evenly into heads; here heads can be "
                 + ", ".join(map(str, valid)),
             )

@@ -25,6 +25,12 @@ _BOOL = "tag:yaml.org,2002:bool"
 _NULL = "tag:yaml.org,2002:null"
 # Numbers YAML 1.1 reads as text but JSON and YAML 1.2 read as numbers: 1e-3, 2E5.
 _PLAIN_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+_STR = "tag:yaml.org,2002:str"
+_MAP = "tag:yaml.org,2002:map"
+_SEQ = "tag:yaml.org,2002:seq"
+_PLAIN_TAGS = (_INT, _FLOAT, _BOOL, _NULL, _STR, "tag:yaml.org,2002:timestamp")
+"""The scalar tags a plain value (an ``x-`` extra) may carry: YAML's core types and dates."""
+_SHOWN = 40  # the longest value shown in a message, in characters
 MAX_VALUES = 5_000_000
 """The most values one file may hold: YAML aliases (``*name``) can make a small file huge."""
 
@@ -42,6 +48,18 @@ def join(field: str, key: str | int) -> str:
     return f"{field}.{key}" if field else key
 
 
+def shorten(text: str) -> str:
+    """A value as written, cut to a length fit for a message (``"1000…0 (401 digits)"``)."""
+    if len(text) <= _SHOWN:
+        return text
+    return f"{text[: _SHOWN - 8]}…{text[-4:]} ({len(text)} characters)"
+
+
+def tag_name(tag: str) -> str:
+    """A YAML tag as written in a file: ``!!python/name:os.system``, ``!custom``."""
+    return "!!" + tag.removeprefix("tag:yaml.org,2002:") if tag.startswith("tag:yaml.org") else tag
+
+
 def describe(node: yaml.Node) -> str:
     """What a node holds, in words: ``"a list"``, ``"the text 'abc'"``, ``"the number 3"``."""
     if isinstance(node, yaml.SequenceNode):
@@ -49,12 +67,14 @@ def describe(node: yaml.Node) -> str:
     if isinstance(node, yaml.MappingNode):
         return "a mapping (key: value pairs)"
     if node.tag in (_INT, _FLOAT):
-        return f"the number {node.value}"
+        return f"the number {shorten(str(node.value))}"
     if node.tag == _BOOL:
-        return f"the truth value {node.value}"
+        return f"the truth value {shorten(str(node.value))}"
     if node.tag == _NULL:
         return "nothing (an empty value)"
-    return f"the text {node.value!r}"
+    if node.tag not in _PLAIN_TAGS:
+        return f"the value {shorten(str(node.value))!r} tagged {tag_name(node.tag)}"
+    return f"the text {shorten(str(node.value))!r}"
 
 
 def suggest(key: str, allowed: Collection[str], aliases: Mapping[str, str]) -> str:
@@ -142,7 +162,7 @@ class NodeReader:
     def integer(self, node: yaml.Node, field: str, *, minimum: int) -> int:
         if not (isinstance(node, yaml.ScalarNode) and node.tag == _INT):
             raise self.error(node, field, f"expected a whole number, got {describe(node)}")
-        value = int(self._constructor.construct_object(node))
+        value = int(self._construct(node, field))
         if value < minimum:
             raise self.error(node, field, f"expected a whole number ≥ {minimum}, got {value}")
         return value
@@ -150,7 +170,7 @@ class NodeReader:
     def boolean(self, node: yaml.Node, field: str) -> bool:
         if not (isinstance(node, yaml.ScalarNode) and node.tag == _BOOL):
             raise self.error(node, field, f"expected true or false, got {describe(node)}")
-        return bool(self._constructor.construct_object(node))
+        return bool(self._construct(node, field))
 
     @staticmethod
     def is_number(node: yaml.Node) -> bool:
@@ -167,7 +187,10 @@ class NodeReader:
             raise self.error(node, field, f"expected a number, got {describe(node)}")
         text = str(node.value)
         if node.tag in (_INT, _FLOAT):
-            value = float(self._constructor.construct_object(node))
+            try:
+                value = float(self._construct(node, field))
+            except OverflowError:
+                value = math.inf  # a whole number too large for a float: reported below
         elif node.tag == "tag:yaml.org,2002:str" and _PLAIN_NUMBER.fullmatch(text):
             if node.style is not None:
                 raise self.error(
@@ -184,7 +207,7 @@ class NodeReader:
             raise self.error(
                 node,
                 field,
-                f"expected a finite number, got {text}",
+                f"expected a finite number, got {shorten(text)}",
                 "embeddings, weights and claimed numbers are finite",
             )
         return value, text
@@ -241,21 +264,70 @@ class NodeReader:
             raise self.error(node, field, f"expected a token, got {describe(node)}")
         ref: str | int = str(node.value)
         if node.tag == _INT and node.style is None:
-            ref = int(self._constructor.construct_object(node))
+            ref = int(self._construct(node, field))
         try:
             return token_index(ref, tokens)
         except TokenRefError as error:
             raise self.error(node, field, error.problem, error.hint) from None
 
-    def plain(self, node: yaml.Node, field: str) -> Any:
-        """Any value as plain Python (dict, list, str, int, float, bool, None)."""
+    def plain(self, node: yaml.Node, field: str, _open: frozenset[int] = frozenset()) -> Any:
+        """Any value as plain Python (dict, list, str, int, float, bool, None, a date).
+
+        Tags beyond YAML's core types (``!!python/name:...``, ``!!set``, ``!custom``) and data
+        that contains itself (``&a [*a]``) are refused, naming the field.
+        """
         self._count()
-        if isinstance(node, yaml.MappingNode):
-            pairs = self.mapping(node, field)
-            return {key: self.plain(value, join(field, key)) for key, (_, value) in pairs.items()}
-        if isinstance(node, yaml.SequenceNode):
-            return [self.plain(item, join(field, i)) for i, item in enumerate(node.value)]
-        return self._constructor.construct_object(node)
+        if isinstance(node, yaml.MappingNode | yaml.SequenceNode):
+            if node.tag not in (_MAP, _SEQ):
+                raise self._odd_tag(node, field)
+            if id(node) in _open:
+                raise self.error(
+                    node,
+                    field,
+                    "the value contains itself (an alias *name inside its own &name)",
+                    "write the value out; an extra holds plain data",
+                )
+            inner = _open | {id(node)}
+            if isinstance(node, yaml.MappingNode):
+                pairs = self.mapping(node, field)
+                return {
+                    key: self.plain(value, join(field, key), inner)
+                    for key, (_, value) in pairs.items()
+                }
+            return [self.plain(item, join(field, i), inner) for i, item in enumerate(node.value)]
+        if node.tag not in _PLAIN_TAGS:
+            raise self._odd_tag(node, field)
+        value = self._construct(node, field)
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 1 << 64:
+            raise self.error(
+                node,
+                field,
+                f"expected a number of at most 20 digits, got {shorten(str(node.value))}",
+                "write a very large number as a float (1e400) or in quotes",
+            )
+        return value
+
+    def _odd_tag(self, node: yaml.Node, field: str) -> ExampleError:
+        return self.error(
+            node,
+            field,
+            f"unsupported YAML tag {tag_name(node.tag)}",
+            "an example holds plain values: text, numbers, true/false, lists and mappings; "
+            "remove the tag",
+        )
+
+    def _construct(self, node: yaml.Node, field: str) -> Any:
+        """The Python value of a scalar, or an error naming the field (``!!int 1.5``)."""
+        try:
+            return self._constructor.construct_object(node)
+        except (yaml.YAMLError, ValueError, KeyError, TypeError) as error:
+            problem = getattr(error, "problem", None) or str(error) or type(error).__name__
+            raise self.error(
+                node,
+                field,
+                f"cannot read {shorten(str(node.value))!r} as {tag_name(node.tag)} ({problem})",
+                "remove the tag or fix the value",
+            ) from None
 
     def _count(self) -> None:
         self._visited += 1

@@ -15,7 +15,13 @@ from typing import Literal
 
 import yaml
 
+from qkv._read import FileLimitError, read_bytes, size_text
 from qkv.examples._errors import ExampleError
+
+MAX_BYTES = 1 << 20
+"""The most bytes an example file may hold (1 MiB): a worked example is small, and reading
+YAML is slow, so a larger file is refused at once instead of taking minutes."""
+MAX_DEPTH_HINT = "a worked example nests lists and mappings only a few levels deep"
 
 Kind = Literal["yaml", "json"]
 
@@ -49,7 +55,9 @@ def read_text(path: str | os.PathLike[str]) -> str:
             hint="give the path of a .yaml or .json file",
         )
     try:
-        data = Path(path).read_bytes()
+        data = read_bytes(path, limit=MAX_BYTES, what="a worked example")
+    except FileLimitError as error:
+        raise ExampleError(error.problem, source=source, hint=error.hint) from None
     except FileNotFoundError:
         raise ExampleError(
             "no such file",
@@ -85,6 +93,13 @@ def compose(text: str, source: str, kind: Kind | None = None) -> yaml.Node:
         ExampleError: empty text, a syntax error (with its line), several documents.
     """
     text = text.removeprefix("\ufeff")
+    if len(text) > MAX_BYTES:
+        raise ExampleError(
+            f"the text holds {size_text(len(text))}, more than the {size_text(MAX_BYTES)} a "
+            "worked example may hold",
+            source=source,
+            hint="a worked example is small: a few tokens, their embeddings and the weights",
+        )
     if not text.strip():
         raise ExampleError(
             "the file is empty",
@@ -95,6 +110,10 @@ def compose(text: str, source: str, kind: Kind | None = None) -> yaml.Node:
     if kind == "json" or (kind is None and text.lstrip()[0] in "{["):
         try:
             json.loads(text)
+        except RecursionError:
+            raise ExampleError(
+                "the file is nested too deeply to read", source=source, hint=MAX_DEPTH_HINT
+            ) from None
         except json.JSONDecodeError as error:
             if kind == "json":
                 raise _json_error(error, source) from None
@@ -109,7 +128,7 @@ def compose(text: str, source: str, kind: Kind | None = None) -> yaml.Node:
         raise _yaml_error(error, text, source) from None
     except RecursionError:
         raise ExampleError(
-            "the file is nested too deeply to read", source=source, hint=_YAML_HINT
+            "the file is nested too deeply to read", source=source, hint=MAX_DEPTH_HINT
         ) from None
     if node is None:
         raise ExampleError(

@@ -47,7 +47,8 @@ def token_index(ref: str | int, tokens: Sequence[str], *, digits_are_indices: bo
                 f"token {ref!r} appears {len(where)} times (positions {positions})",
                 f"name it by its 0-based position instead, e.g. {where[-1]}",
             )
-        if not (digits_are_indices and ref.isdigit()):
+        # isdecimal, not isdigit: "²" and "①" are digits that int() does not read.
+        if not (digits_are_indices and ref.isdecimal()):
             close = (
                 difflib.get_close_matches(ref, tokens, n=1, cutoff=0.6)
                 or [t for t in tokens if t.lower() == ref.lower()][:1]
@@ -60,8 +61,9 @@ def token_index(ref: str | int, tokens: Sequence[str], *, digits_are_indices: bo
             )
         ref = int(ref)
     if not 0 <= ref < len(tokens):
+        shown = str(ref) if len(str(ref)) <= 20 else f"{str(ref)[:12]}… ({len(str(ref))} digits)"
         raise TokenRefError(
-            f"token position {ref} is out of range",
+            f"token position {shown} is out of range",
             f"there are {len(tokens)} tokens, numbered from 0 to {len(tokens) - 1}: "
             f"{listing(tokens)}",
         )

@@ -42,6 +42,7 @@ import numpy as np
 
 from qkv._extras import require
 from qkv._io import write_atomic
+from qkv._read import FileLimitError, check_regular, json_value, read_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -55,6 +56,13 @@ LATEST = "latest"
 _TMP_PREFIX = ".tmp-"
 _NAME = re.compile(r"step-(\d+)(?:\.(\d+))?")
 _MARKERS = ("__tensor__", "__ndarray__", "__bytes__", "__tuple__", "__int_keys__", "__float__")
+MAX_MANIFEST_BYTES = 1 << 26
+"""The largest ``checkpoint.json`` read (64 MiB): it holds settings and references only."""
+RUN_TASKS = ("classify", "recall")
+"""The tasks of ``qkv train``: a run's checkpoint config names one of them."""
+_SIZES = ("vocab_size", "num_classes", "embedding_dim")
+"""Model settings that are sizes of stored tensors: each is at most their number of values."""
+_DAMAGED = "the file was changed after saving; use another checkpoint of the run"
 
 
 class CheckpointError(ValueError):
@@ -236,7 +244,16 @@ def load_checkpoint(
             ) from None
     tensors = {k: v.to(device) for k, v in loaded[TENSORS].items()}
     state_tensors = {k: v.to(device) for k, v in loaded[STATE].items()}
-    state = _decode(manifest["state"], state_tensors, folder)
+    try:
+        state = _decode(manifest["state"], state_tensors, folder)
+    except (TypeError, ValueError, AttributeError) as error:
+        if isinstance(error, CheckpointError):
+            raise
+        raise CheckpointError(
+            f"{MANIFEST}: state: a saved value cannot be read back ({error})",
+            path=folder,
+            hint=_DAMAGED,
+        ) from None
     checkpoint = Checkpoint(
         path=folder,
         step=int(manifest["step"]),
@@ -283,15 +300,145 @@ def rng_states() -> dict[str, Any]:
 def restore_rng_states(states: Mapping[str, Any]) -> None:
     """Set the random generators to states from :func:`rng_states` (after a load)."""
     torch_ = require("torch", feature="qkv checkpoints")
-    if "python" in states:
-        version, internal, gauss = states["python"]
-        random.setstate((version, tuple(internal), gauss))
-    if "numpy" in states:
-        np.random.set_state(tuple(states["numpy"]))
-    if "torch" in states:
-        torch_.set_rng_state(states["torch"].cpu())
-    if "cuda" in states and torch_.cuda.is_available():
-        torch_.cuda.set_rng_state_all([s.cpu() for s in states["cuda"]])
+    try:
+        if "python" in states:
+            version, internal, gauss = states["python"]
+            random.setstate((version, tuple(internal), gauss))
+        if "numpy" in states:
+            np.random.set_state(tuple(states["numpy"]))
+        if "torch" in states:
+            torch_.set_rng_state(states["torch"].cpu())
+        if "cuda" in states and torch_.cuda.is_available():
+            torch_.cuda.set_rng_state_all([s.cpu() for s in states["cuda"]])
+    except (TypeError, ValueError, AttributeError, RuntimeError) as error:
+        if isinstance(error, CheckpointError):
+            raise
+        raise CheckpointError(
+            f"the saved random generator states cannot be restored ({error})",
+            hint="the checkpoint was changed after saving; use another checkpoint of the run",
+        ) from None
+
+
+def check_run_config(checkpoint: Checkpoint) -> None:
+    """Check that a checkpoint's config describes a ``qkv train`` run that fits its tensors.
+
+    Called before a model is built from the config, so a damaged or edited config (an
+    unknown task, a missing key, a negative size, a vocabulary of 10¹² words) is one clear
+    error instead of a crash or an allocation of terabytes.
+
+    Raises:
+        CheckpointError: the config names the field that is wrong and what was expected.
+    """
+    config, folder = checkpoint.config, checkpoint.path
+    for key in ("task", "model", "data"):
+        if key not in config:
+            raise CheckpointError(
+                f"config: the key {key!r} is missing (a 'qkv train' run's config has task, "
+                "model and data)",
+                path=folder,
+                hint="the checkpoint's config was changed after saving, or it is not from "
+                "'qkv train'; use another checkpoint of the run",
+            )
+    if config["task"] not in RUN_TASKS:
+        raise _config_error(folder, "task", " or ".join(map(repr, RUN_TASKS)), config["task"])
+    model, data = config["model"], config["data"]
+    if not isinstance(model, dict) or not isinstance(model.get("kind"), str):
+        raise _config_error(folder, "model", "an object with the model's kind", model)
+    values = sum(math.prod(t.shape) for t in checkpoint.tensors.values())
+    for key, value in model.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            continue
+        least = 1 if key in _SIZES else 0
+        if value < least:
+            raise _config_error(folder, f"model.{key}", f"a whole number ≥ {least}", value)
+        if key in _SIZES and value > values:
+            raise _config_error(
+                folder,
+                f"model.{key}",
+                f"at most {values:,}, the number of values the checkpoint's tensors hold",
+                value,
+            )
+    for key in ("vocab_size", "num_classes"):
+        if not isinstance(model.get(key), int) or isinstance(model.get(key), bool):
+            raise _config_error(folder, f"model.{key}", "a whole number ≥ 1", model.get(key))
+    if not isinstance(data, dict):
+        raise _config_error(folder, "data", "an object", data)
+    for key in ("vocabulary", "labels"):
+        items = data.get(key)
+        if not (isinstance(items, list) and all(isinstance(i, str) for i in items)):
+            raise _config_error(folder, f"data.{key}", "a list of texts", items)
+    if len(data["vocabulary"]) != model["vocab_size"]:
+        raise _config_error(
+            folder,
+            "data.vocabulary",
+            f"{model['vocab_size']} words (model.vocab_size)",
+            f"{len(data['vocabulary'])} words",
+        )
+
+
+def check_resume_state(
+    checkpoint: Checkpoint, optimizer: torch.optim.Optimizer, loop_keys: Sequence[str]
+) -> None:
+    """Check the training state saved for ``--resume`` before it is put back.
+
+    ``loop_keys`` are the keys the loop state must have (no more, no fewer). The optimizer's
+    moments must have the shapes of the parameters they belong to.
+
+    Raises:
+        CheckpointError: naming the key or the tensor that is wrong.
+    """
+    torch_ = require("torch", feature="qkv checkpoints")
+    state, folder = checkpoint.state, checkpoint.path
+    for key in ("optimizer", "rng", "loop"):
+        if not isinstance(state.get(key), dict):
+            raise _state_error(folder, key, "an object", state.get(key))
+    loop = state["loop"]
+    unknown = sorted(set(loop) - set(loop_keys))
+    missing = sorted(set(loop_keys) - set(loop))
+    if unknown or missing:
+        parts = ([f"unknown {', '.join(map(repr, unknown))}"] if unknown else []) + (
+            [f"missing {', '.join(map(repr, missing))}"] if missing else []
+        )
+        raise _state_error(folder, "loop", f"the keys {', '.join(loop_keys)}", "; ".join(parts))
+    saved = state["optimizer"]
+    if not isinstance(saved.get("state"), dict) or not isinstance(saved.get("param_groups"), list):
+        raise _state_error(folder, "optimizer", "an optimizer state_dict", saved)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, moments in saved["state"].items():
+        if not isinstance(index, int) or not 0 <= index < len(params):
+            raise _state_error(
+                folder, "optimizer.state", f"parameter numbers 0 to {len(params) - 1}", index
+            )
+        if not isinstance(moments, dict):
+            raise _state_error(folder, f"optimizer.state[{index}]", "an object", moments)
+        for name, value in moments.items():
+            shaped = isinstance(value, torch_.Tensor) and value.ndim > 0
+            if shaped and tuple(value.shape) != tuple(params[index].shape):
+                raise _state_error(
+                    folder,
+                    f"optimizer.state[{index}].{name}",
+                    f"shape {tuple(params[index].shape)}, the shape of its parameter",
+                    f"shape {tuple(value.shape)}",
+                )
+
+
+def _config_error(folder: Path, field: str, expected: str, got: Any) -> CheckpointError:
+    shown = got if isinstance(got, str) and got.endswith("words") else _short(got)
+    return CheckpointError(
+        f"config.{field}: expected {expected}, got {'nothing' if got is None else shown}",
+        path=folder,
+        hint="the checkpoint's config was changed after saving, or it is not from 'qkv train'; "
+        "use another checkpoint of the run",
+    )
+
+
+def _state_error(folder: Path, field: str, expected: str, got: Any) -> CheckpointError:
+    shown = got if isinstance(got, str) else _short(got)
+    return CheckpointError(
+        f"the saved training state: {field}: expected {expected}, got {shown}",
+        path=folder,
+        hint="resume with the options the run started with, or use another checkpoint",
+    )
 
 
 # -- writing --------------------------------------------------------------------------------
@@ -346,7 +493,8 @@ def _complete(folder: Path) -> Iterator[tuple[int, Path]]:
         if not _NAME.fullmatch(entry.name):
             continue
         try:
-            manifest = json.loads((entry / MANIFEST).read_text(encoding="utf-8"))
+            text = read_bytes(entry / MANIFEST, limit=MAX_MANIFEST_BYTES, what=MANIFEST)
+            manifest = json_value(text.decode("utf-8"))
             yield int(manifest["sequence"]), entry
         except (OSError, ValueError, KeyError, TypeError):
             continue
@@ -395,9 +543,11 @@ def _resolve(path: Path) -> Path:
 
 
 def _read_manifest(folder: Path) -> dict[str, Any]:
-    text = (folder / MANIFEST).read_bytes()
     try:
-        manifest = json.loads(text.decode("utf-8"))
+        text = read_bytes(folder / MANIFEST, limit=MAX_MANIFEST_BYTES, what=MANIFEST)
+        manifest = json_value(text.decode("utf-8"))
+    except FileLimitError as error:
+        raise CheckpointError(f"{MANIFEST}: {error.problem}", path=folder, hint=_DAMAGED) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         where = (
             f" (line {error.lineno}, column {error.colno})"
@@ -423,23 +573,54 @@ def _read_manifest(folder: Path) -> dict[str, Any]:
     missing = [k for k in ("step", "config", "state", "files") if k not in manifest]
     if missing:
         raise CheckpointError(f"{MANIFEST} lacks {', '.join(missing)}", path=folder)
+    step = manifest["step"]
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise _field_error(folder, "step", "a whole number ≥ 0", step)
+    for key in ("config", "state", "files"):
+        if not isinstance(manifest[key], dict):
+            raise _field_error(folder, key, "an object", manifest[key])
+    for file in (TENSORS, STATE):
+        entry = manifest["files"].get(file)
+        if not isinstance(entry, dict):
+            raise _field_error(folder, f"files.{file}", "an object with bytes and sha256", entry)
+        size, digest = entry.get("bytes"), entry.get("sha256")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise _field_error(folder, f"files.{file}.bytes", "a whole number ≥ 0", size)
+        if not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)):
+            raise _field_error(folder, f"files.{file}.sha256", "64 hexadecimal digits", digest)
     return manifest
 
 
+def _field_error(folder: Path, field: str, expected: str, got: Any) -> CheckpointError:
+    shown = "nothing" if got is None else f"{type(got).__name__} {_short(got)}"
+    return CheckpointError(
+        f"{MANIFEST}: {field}: expected {expected}, got {shown}", path=folder, hint=_DAMAGED
+    )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:36] + "…" + text[-3:]
+
+
 def _read_checked(folder: Path, file: str, manifest: Mapping[str, Any]) -> bytes:
-    expected = manifest["files"].get(file)
-    if not isinstance(expected, dict):
-        raise CheckpointError(f"{MANIFEST} does not list {file}", path=folder)
+    expected = manifest["files"][file]
+    saved: int = expected["bytes"]
     try:
-        data = (folder / file).read_bytes()
+        size = check_regular(folder / file, what=f"a {file} file")
+        if size == saved:  # the size is checked before reading: a huge file is not read
+            data = read_bytes(folder / file, limit=saved, what=f"this {file}")
+            size = len(data)
     except FileNotFoundError:
         raise CheckpointError(
             f"{file} is missing", path=folder, hint="use another checkpoint of the run"
         ) from None
-    if len(data) != expected["bytes"]:
-        problem = "truncated" if len(data) < expected["bytes"] else "longer than saved"
+    except FileLimitError as error:
+        raise CheckpointError(f"{file} {error.problem}", path=folder, hint=_DAMAGED) from None
+    if size != saved:
+        problem = "truncated" if size < saved else "longer than saved"
         raise CheckpointError(
-            f"{file} is {problem}: {len(data):,} bytes, but {expected['bytes']:,} were saved",
+            f"{file} is {problem}: {size:,} bytes, but {saved:,} were saved",
             path=folder,
             hint="the file was cut short (a full disk, an interrupted copy); use another "
             "checkpoint of the run",
@@ -485,6 +666,9 @@ def _check_shapes(checkpoint: Checkpoint, expected: Mapping[str, Any], torch_: A
             problems.append(
                 f"{name!r} has shape {tuple(checkpoint.tensors[name].shape)}, expected {want}"
             )
+    problems += [
+        f"{name!r} is not in the model" for name in checkpoint.tensors if name not in expected
+    ]
     if problems:
         raise CheckpointMismatchError(
             "the checkpoint's tensors do not fit: " + "; ".join(problems),

@@ -21,6 +21,7 @@ from typing import Any
 
 from qkv._extras import require
 from qkv._io import write_atomic
+from qkv._read import FileLimitError, json_lines, json_value
 
 __all__ = ["METRICS", "PLOT", "MetricsLog", "plot_metrics"]
 
@@ -45,16 +46,18 @@ class MetricsLog:
         self.path = self.folder / METRICS
         self.rows: list[dict[str, Any]] = []
         if self.path.is_file():
-            for number, line in enumerate(self.path.read_text(encoding="utf-8").splitlines(), 1):
+            for number, line in json_lines(self.path.read_text(encoding="utf-8")):
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
+                    row = json_value(line)
+                except (json.JSONDecodeError, FileLimitError):
+                    row = None
+                if not (isinstance(row, dict) and isinstance(row.get("step"), int)):
                     raise ValueError(
-                        f"{self.path}, line {number}: not valid JSON. Hint: the file was "
-                        "edited by hand; remove the line or the file."
-                    ) from None
+                        f"{self.path}, line {number}: expected a JSON object with a whole-number "
+                        '"step". Hint: the file was edited by hand; remove the line or the file.'
+                    )
                 self.rows.append(row)
 
     def truncate(self, step: int) -> None:

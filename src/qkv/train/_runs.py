@@ -20,7 +20,12 @@ import numpy as np
 import torch
 
 from qkv.data import Vocabulary
-from qkv.train._checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from qkv.train._checkpoint import (
+    CheckpointError,
+    check_run_config,
+    latest_checkpoint,
+    load_checkpoint,
+)
 from qkv.train._drift import embedding_drift
 from qkv.train._loop import BEST, CHECKPOINTS, FitResult, StepInfo, TrainSettings, fit
 from qkv.train._models import AttentionClassifier, BagOfWords, RecallModel
@@ -508,7 +513,9 @@ def _saved_config(out: str | os.PathLike[str]) -> dict[str, Any]:
             path=out,
             hint="give the --out folder of an earlier run, or start without --resume",
         )
-    return load_checkpoint(where).config
+    checkpoint = load_checkpoint(where)
+    check_run_config(checkpoint)  # before a model is built from it
+    return checkpoint.config
 
 
 def _saved_start(out: str | os.PathLike[str]) -> torch.Tensor:

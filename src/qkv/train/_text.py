@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from qkv._read import FileLimitError, json_lines, json_value, read_bytes
+
 __all__ = [
     "GENERATED",
     "DataError",
@@ -32,6 +34,8 @@ GENERATED = "generated"
 """The ``--data`` value that means the sentiment set qkv generates (:func:`qkv.data.sentiment`)."""
 
 SUFFIXES = {".csv": ",", ".tsv": "\t", ".jsonl": None, ".ndjson": None}
+MAX_DATA_BYTES = 1 << 30
+"""The largest data file :func:`read_labelled` reads (1 GiB); it is read into memory whole."""
 
 _WORD = re.compile(r"\w+(?:['’]\w+)*|[^\w\s]")
 
@@ -171,7 +175,10 @@ def read_labelled(
             source=source,
             hint="give a .csv, .tsv or .jsonl file (JSON Lines: one object per line)",
         )
-    raw = file.read_bytes()
+    try:  # bounded: /dev/zero or a 100 GB file is refused at once (qkv._read)
+        raw = read_bytes(file, limit=MAX_DATA_BYTES, what="a data file")
+    except FileLimitError as error:
+        raise DataError(error.problem, source=source, hint=error.hint) from None
     try:
         content = raw.decode("utf-8-sig")
     except UnicodeDecodeError as error:
@@ -271,11 +278,13 @@ def _jsonl_rows(
     content: str, source: str, columns: tuple[str, ...]
 ) -> list[tuple[int, dict[str, str]]]:
     rows = []
-    for line, text in enumerate(content.splitlines(), start=1):
+    for line, text in json_lines(content):  # U+2028 inside a string is no line break
         if not text.strip():
             continue
         try:
-            item = json.loads(text)
+            item = json_value(text)
+        except FileLimitError as error:
+            raise DataError(error.problem, source=source, line=line, hint=error.hint) from None
         except json.JSONDecodeError as error:
             raise DataError(
                 f"not valid JSON ({error.msg}, column {error.colno})",
