@@ -207,6 +207,11 @@ def embeddings(draw: st.DrawFn) -> Embeddings:
     fmt="word2vec-binary",
     precision=None,
 )
+@example(  # a first vector whose bytes read as text "pe 8" (3.8241444e-05): the next is not
+    e=Embeddings(("cat", "dog"), np.array([[3.8241444e-05], [0.0]], dtype=np.float32)),
+    fmt="word2vec-binary",
+    precision=None,
+)
 @example(  # the largest float32, rounded to 7 digits, would overflow to inf
     e=Embeddings(("w",), np.array([[np.finfo(np.float32).max]], dtype=np.float32)),
     fmt="word2vec",

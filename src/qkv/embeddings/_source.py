@@ -221,8 +221,11 @@ def check_header(header: Header, source: str) -> None:
 def looks_binary(probe: bytes, dim: int, *, encoding: str) -> bool:
     """Whether the bytes after a header hold float32 vectors rather than text lines."""
     body = probe.lstrip(b"\n")
-    fields = body.split(b"\n", 1)[0].split()
-    if len(fields) > dim and all(number(f) is not None for f in fields[-dim:]):
+    lines = body.split(b"\n")
+    # Every complete line of the probe (up to 32; the probe may cut its last line) must read
+    # as a text vector line: float32 bytes can look like one line of text by chance.
+    complete = [line for line in lines[:-1] if line.strip()][:32] or lines[:1]
+    if all(_text_vector_line(line, dim) for line in complete):
         return False
     space = body.find(b" ")
     region = body[space + 1 : space + 1 + 4 * dim] if space >= 0 else body
@@ -239,6 +242,11 @@ def looks_binary(probe: bytes, dim: int, *, encoding: str) -> bool:
     except UnicodeDecodeError:
         return True
     return False
+
+
+def _text_vector_line(line: bytes, dim: int) -> bool:
+    fields = line.split()
+    return len(fields) > dim and all(number(f) is not None for f in fields[-dim:])
 
 
 def number(field: bytes) -> float | None:
