@@ -10,14 +10,14 @@ LOGGED  = > $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
 CHROMIUM := /usr/bin/chromium
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test lint typecheck pytest install install-dev clean
+.PHONY: demo test lint typecheck imports pytest install install-dev clean
 
 demo: $(VENV)/.installed
 	$(BIN)/qkv explain
 	@mkdir -p out
 	@$(BIN)/qkv explain --html out/explain.html --plot out/weights.png
 
-test: $(VENV)/.installed-dev lint typecheck pytest
+test: $(VENV)/.installed-dev lint typecheck imports pytest
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check src tests benchmarks
@@ -25,6 +25,10 @@ lint: $(VENV)/.installed-dev
 
 typecheck: $(VENV)/.installed-dev
 	$(BIN)/mypy
+
+# The layer contract in pyproject.toml: no upward import, no circle (docs/architecture.md).
+imports: $(VENV)/.installed-dev
+	$(BIN)/lint-imports --no-cache
 
 pytest: $(VENV)/.installed-dev $(CHROMIUM)
 	$(BIN)/pytest -n 2
@@ -50,4 +54,4 @@ $(CHROMIUM): | $(VENV)/bin/python
 	    apt-get install -y chromium; } > $(VENV)/apt.log 2>&1 || { cat $(VENV)/apt.log; exit 1; }
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) build dist src/*.egg-info .mypy_cache .ruff_cache .pytest_cache .import_linter_cache

@@ -2,8 +2,9 @@
 
 ``qkv bench`` runs the sections below with fixed settings and writes docs/benchmarks.md; this
 script runs them with any settings and prints the tables (add ``--write`` to update the page).
-The measurements themselves live in ``qkv.kernels._suite`` (so that ``qkv bench`` works from
-an installed package); see its docstring for how time, GFLOP/s and peak memory are measured.
+The measurements themselves live in the package ``qkv.bench`` (so that ``qkv bench`` works
+from an installed package); see ``qkv.bench._measure`` for how time and GFLOP/s are measured,
+and ``qkv.bench._memory`` for peak memory.
 
 Sections: dense (dense and causal forward at each length, every peer), masks (sliding window
 and packed documents against SDPA given the dense mask, with peak memory), long (causal
@@ -43,7 +44,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
-    from qkv.kernels import _suite
+    from qkv.bench import _suite
 
     base = _suite.Settings.quick_run() if args.quick else _suite.Settings()
     changes = {
@@ -62,8 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = ["bench", "--quick"]
     if args.only:
         command += ["--only", *args.only]
-    if not args.write:
-        command.append("--no-write")
+    # a --quick run of qkv bench writes only where --output says
+    command += ["--output", "docs/benchmarks.md"] if args.write else ["--no-write"]
     return qkv_main(command)
 
 

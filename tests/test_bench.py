@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from qkv.bench import _measure, _suite, _tables
 from qkv.cli import _bench, main
-from qkv.kernels import _suite
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,12 +45,12 @@ def _table() -> _suite.Table:
         _suite.Row("dense", 1024, "sdpa-flash", 0.010, 2.0e9),
         _suite.Row("dense", 1024, "tiled", 0.012, 2.0e9),
     ]
-    _suite._ratios(table.rows, "sdpa-flash")
+    _measure.ratios(table.rows, "sdpa-flash")
     return table
 
 
 def test_cells_give_ratios_and_the_share_of_the_gemm_rate() -> None:
-    head, rows = _bench._cells(_table(), rate=200.0)
+    head, rows = _tables.cells(_table(), rate=200.0)
     assert head == ["N", "mask", "peer", "ms", "ratio", "GFLOP/s", "% GEMM"]
     assert rows[1] == ["1024", "dense", "tiled", "12.0", "1.20", "167", "83.3"]
 
@@ -64,15 +64,15 @@ def test_the_section_is_rewritten_between_its_markers_and_nothing_else(tmp_path:
     about = {"cpu": "test cpu", "cores": 2, "threads": 2, "torch": "x", "memory_gib": 4}
     _bench._write(page, [_table()], about, 200.0, TINY)
     first = page.read_text(encoding="utf-8")
-    assert "keep me" in first and first.count(_bench.START) == 1
+    assert "keep me" in first and first.count(_tables.START) == 1
     assert "| 1024 | dense | tiled | 12.0 | 1.20 | 167 | 83.3 |" in first
     assert "test cpu" in first and (tmp_path / "img" / "bench-dense.png").stat().st_size > 0
     table = _table()
     table.rows[1].seconds = 0.008
-    _suite._ratios(table.rows, "sdpa-flash")
+    _measure.ratios(table.rows, "sdpa-flash")
     _bench._write(page, [table], about, 200.0, TINY)
     second = page.read_text(encoding="utf-8")
-    assert second.count(_bench.START) == 1 and "keep me" in second
+    assert second.count(_tables.START) == 1 and "keep me" in second
     assert "| 0.80 |" in second and "| 1.20 |" not in second
     assert second.startswith("# Benchmarks\n\nintro\n")
     long = _suite.Table("long", "Long", "tiled")
@@ -119,7 +119,7 @@ def test_peak_memory_sees_a_tensor_allocated_and_freed() -> None:
     # that earlier tests left resident, and nothing new is counted.
     code = (
         "import torch\n"
-        "from qkv.kernels._memory import peak_memory\n"
+        "from qkv.bench import peak_memory\n"
         "added, total = peak_memory(lambda: torch.ones(16_000_000).sum().item())  # 64 MB\n"
         "print(added, int(total))\n"
     )

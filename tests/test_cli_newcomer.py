@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from qkv.bench import _suite
 from qkv.cli import main
-from qkv.kernels import _suite
 
 TINY = _suite.Settings(
     lengths=(64,),

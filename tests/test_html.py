@@ -18,7 +18,7 @@ import pytest
 import qkv
 from qkv import examples, render
 from qkv.cli import main
-from qkv.render._html import page_data
+from qkv.render._html import notebook_html, page_data
 
 from .traces import two_layers
 
@@ -256,18 +256,19 @@ def test_explain_html_with_output_also_writes_the_text(
 def test_jupyter_shows_the_page_in_a_sandboxed_iframe() -> None:
     trace = examples.run(examples.builtin("two-heads"))
     trace.tokens = HOSTILE
-    shown = trace._repr_html_()
+    shown = render.html(trace)._repr_html_()  # the page shows itself; the trace does not
     assert shown is not None
     assert shown.startswith('<iframe sandbox="allow-scripts" ')
     assert shown.count("<") == 2 and shown.endswith("></iframe>")  # the page is all escaped
     srcdoc = re.search(r'srcdoc="([^"]*)"', shown)
     assert srcdoc is not None and "&lt;!DOCTYPE html&gt;" in srcdoc.group(1)
-    assert qkv.Trace()._repr_html_() is None
+    assert notebook_html(qkv.Trace()) is None
+    assert not hasattr(qkv.Trace, "_repr_html_")  # the core does not draw
 
 
 def test_jupyter_says_why_a_trace_is_too_big(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("qkv.render._html.MAX_VALUES", 10)
-    shown = examples.run(examples.builtin("two-heads"))._repr_html_()
+    shown = notebook_html(examples.run(examples.builtin("two-heads")))
     assert shown is not None and shown.startswith("<p>qkv: the page would hold")
 
 

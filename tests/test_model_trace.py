@@ -12,6 +12,7 @@ import torch
 
 import qkv
 import qkv.trace as trace_module
+import qkv.trace._trace as recording
 from qkv import render
 from qkv._array import to_numpy
 from qkv.cli import main
@@ -114,7 +115,7 @@ def test_layers_not_selected_copy_nothing(monkeypatch: pytest.MonkeyPatch) -> No
         copied.append(out.shape)
         return out
 
-    monkeypatch.setattr(trace_module, "to_numpy", counting)
+    monkeypatch.setattr(recording, "to_numpy", counting)
     with torch.no_grad(), qkv.tracing(model=model, layers=[1], steps=["weights"]) as t:
         model(torch.randn(1, 3, 16))
     assert copied == [(1, 4, 3, 3)] and len(t) == 1
@@ -125,7 +126,7 @@ def test_nothing_recorded_or_copied_when_off(monkeypatch: pytest.MonkeyPatch) ->
         raise AssertionError("trace touched although tracing is off")
 
     monkeypatch.setattr(trace_module.Trace, "record", forbidden)
-    monkeypatch.setattr(trace_module, "to_numpy", forbidden)
+    monkeypatch.setattr(recording, "to_numpy", forbidden)
     model = TwoLayers()
     model(torch.randn(1, 3, 16)).sum().backward()
 
@@ -223,3 +224,42 @@ def test_tracing_errors_about_the_model_and_heads() -> None:
     missing = r"tracing heads=\[7\]: index 7 does not exist in layer 'blocks.0.attn', which has 4"
     with pytest.raises(ValueError, match=missing), qkv.tracing(model=model, heads=7):
         model(torch.randn(1, 2, 16))
+
+
+# -- traces made of calls (issue 13) and one numbering rule in the header (issue 12) -------
+
+
+def test_calls_of_a_model_by_layer_and_decoding_step() -> None:
+    model = TwoLayers()
+    caches = [KVCache(), KVCache()]
+    x = torch.randn(1, 5, 16)
+    with torch.no_grad(), qkv.tracing(model=model, steps=["weights"]) as t:
+        model(x[:, :3], caches)  # the prompt, then one token at a time
+        model(x[:, 3:4], caches)
+        model(x[:, 4:], caches)
+    assert t.layer_names() == ["blocks.0.attn", "blocks.1.attn"]
+    assert [(c.layer, c.position) for c in t.calls] == [
+        ("blocks.0.attn", 0), ("blocks.1.attn", 0), ("blocks.0.attn", 1),
+        ("blocks.1.attn", 1), ("blocks.0.attn", 2), ("blocks.1.attn", 2),
+    ]  # fmt: skip
+    last = t.call(layer="blocks.1.attn", index=-1)
+    assert last["weights"].shape == (1, 4, 1, 5) and last.meta["num_heads"] == 4
+    assert last.calls[0].meta["shapes"]["key"] == [1, 4, 5, 4]
+    assert last.calls[0].meta["head_dim"] == 4  # the module's own facts
+    np.testing.assert_array_equal(last["weights"].value, t.steps[-1].value)
+    assert "Attention weights" in render.text(last)
+
+
+def test_header_names_heads_and_rows_as_the_tables_do() -> None:
+    model = TwoLayers()
+    with torch.no_grad(), qkv.tracing(model=model, heads=[0, 2], queries=[0, -1]) as t:
+        model(torch.randn(1, 5, 16))
+    t.tokens = ["the", "cat", "saw", "the", "dog"]
+    t2 = qkv.Trace(tokens=["the", "cat", "saw", "the", "dog"])
+    with torch.no_grad(), qkv.tracing(t2, model=model, heads=[0, 2], queries=[1, 3]):
+        model(torch.randn(1, 5, 16))
+    assert t.meta["description"] == (
+        "Recorded with qkv.tracing; recorded layers: blocks.0.attn, blocks.1.attn; "
+        "head 1 and head 3 of 4; query rows t0 and t4."
+    )
+    assert t2.meta["description"].endswith("head 1 and head 3 of 4; query rows cat and the#3.")

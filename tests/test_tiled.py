@@ -324,7 +324,7 @@ def test_bad_input_to_the_kernel(kwargs: dict[str, Any], match: str) -> None:
 
 @pytest.mark.slow
 def test_memory_at_16384_tokens_stays_far_below_the_full_matrix() -> None:
-    from qkv.kernels._memory import peak_memory
+    from qkv.bench import peak_memory
 
     n = 16384
     q, k, v = (torch.randn(1, 1, n, 16) for _ in range(3))

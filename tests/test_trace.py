@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -10,6 +12,8 @@ import torch
 
 import qkv
 import qkv.trace as trace_module
+import qkv.trace._trace as recording
+from qkv import render
 
 
 def test_single_head_steps_in_order() -> None:
@@ -72,7 +76,7 @@ def test_nothing_is_recorded_or_converted_when_off(monkeypatch: pytest.MonkeyPat
         raise AssertionError("trace recorded although tracing is off")
 
     monkeypatch.setattr(trace_module.Trace, "record", forbidden)
-    monkeypatch.setattr(trace_module, "to_numpy", forbidden)
+    monkeypatch.setattr(recording, "to_numpy", forbidden)
     x = torch.randn(2, 3, 4)
     qkv.multi_head_attention(x, torch.eye(4), torch.eye(4), torch.eye(4), num_heads=2)
 
@@ -122,3 +126,97 @@ def test_unknown_step_name_and_missing_step() -> None:
     with pytest.raises(KeyError, match=r"no step named 'weights'.*recorded: none"):
         trace["weights"]
     assert trace.get("weights") is None
+
+
+# -- traces made of calls; files of version 1 and 2 (issue 13) -----------------------------
+
+DATA = Path(__file__).parent / "data"
+V1_FILES = sorted(p.stem for p in DATA.glob("trace_v1_*.json"))
+
+
+@pytest.mark.parametrize("name", V1_FILES)
+def test_version_1_files_load_and_render_as_before(name: str, tmp_path: Path) -> None:
+    """Files written by qkv before traces had calls (see tests/data/README.md) still load,
+    render exactly as they did, and survive a round trip through version 2."""
+    old = qkv.Trace.load(DATA / f"{name}.json")
+    text, markdown = (DATA / f"{name}.txt").read_text(), (DATA / f"{name}.md").read_text()
+    assert render.text(old) == text and render.markdown(old) == markdown
+    assert render.html(old).startswith("<!DOCTYPE html>")
+    old.save(tmp_path / "again.json")
+    saved = json.loads((tmp_path / "again.json").read_text())
+    assert saved["version"] == 2 and len(saved["calls"]) == len(old.calls)
+    again = qkv.Trace.load(tmp_path / "again.json")
+    assert again.names == old.names and again.meta == old.meta
+    assert [c.meta for c in again.calls] == [c.meta for c in old.calls]
+    assert render.text(again) == text and render.markdown(again) == markdown
+
+
+def test_version_1_model_file_has_one_call_per_layer() -> None:
+    old = qkv.Trace.load(DATA / "trace_v1_model.json")
+    assert old.layer_names() == ["blocks.0.attn", "blocks.1.attn"]
+    first, second = old.calls
+    assert (first.layer, len(first), first.names[-1]) == ("blocks.0.attn", 11, "output")
+    assert first.meta["num_heads"] == 4 and second.meta["scale"] == 0.5
+
+
+def test_a_trace_holds_one_record_per_attention_call() -> None:
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(3, 4))
+    w = rng.normal(size=(4, 4))
+    with qkv.tracing() as t:
+        qkv.multi_head_attention(x, w, w, w, w, num_heads=2, is_causal=True)
+        qkv.scaled_dot_product_attention(x, x, x, scale=1.0)
+        qkv.scaled_dot_product_attention(x[:2], x, x, is_causal=True,
+                                         causal_alignment="bottom-right")  # fmt: skip
+    first, second, third = t.calls
+    # the flat view is unchanged: every step once, in the order it ran
+    assert [s for c in t.calls for s in c] == t.steps
+    assert first.names[0] == "embeddings" and first.names[-3:] == ["concat", "W_o", "output"]
+    assert first.meta["num_heads"] == 2 and first.meta["causal"] is True
+    assert first.meta["scale_mode"] == "sqrt_dk" and first.meta["backend"] == "reference"
+    assert second.names == ["Q", "K", "V", "scores", "scaled", "weights", "context"]
+    assert second.meta["scale"] == 1.0 and second.meta["scale_mode"] == "none"
+    assert second.meta["shapes"] == {"query": [3, 4], "key": [3, 4], "value": [3, 4]}
+    assert third.meta["causal_alignment"] == "bottom-right"
+    assert t.meta["scale_mode"] == "sqrt_dk"  # the flat meta: the last call's, as before
+    one = t.call(index=1)
+    assert one.names == second.names and one.meta["scale"] == 1.0
+    np.testing.assert_array_equal(one["weights"].value, second["weights"].value)
+    assert "S' = S (no scaling)" in render.text(one)  # a renderer takes one call as a trace
+    with pytest.raises(ValueError, match=r"call\(index=3\): the trace has 3 call\(s\)\. Hint"):
+        t.call(index=3)
+    with pytest.raises(ValueError, match=r"no call of that layer in this trace\. Hint: its "):
+        t.call(layer="blocks.0.attn")
+
+
+def test_a_trace_of_selected_rows_records_its_call(recwarn: pytest.WarningsRecorder) -> None:
+    q = torch.randn(1, 2, 64, 4, generator=torch.Generator().manual_seed(3))
+    with qkv.tracing(heads=[1], queries=[0, 63]) as t:
+        qkv.scaled_dot_product_attention(q, q, q, is_causal=True, backend="tiled")
+    (call,) = t.calls
+    assert call.meta["backend"] == "tiled"
+    assert call.meta["rows"] == {"heads": [1], "queries": [0, 63], "q_len": 64}
+    assert call.names == ["Q", "K", "V", "scores", "scaled", "masked", "weights", "context"]
+    assert call["weights"].index == {"query": [0, 63], "head": [1]}
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "expected"),
+    [
+        (lambda d: d.update(calls={"a": 1}), "calls", "expected a list of calls"),
+        (lambda d: d["calls"].__setitem__(0, 3), "calls[0]", "expected an object"),
+        (lambda d: d["calls"][0].update(meta={"scale": "big"}), "calls[0].meta.scale", "number"),
+        (lambda d: d["steps"][2].update(call=5), "steps[2].call", "0 to 0, got 5"),
+        (lambda d: d["steps"][2].update(call="x"), "steps[2].call", "a whole number"),
+        (lambda d: d.pop("calls"), None, "'calls' is missing"),
+    ],
+)
+def test_version_2_call_fields_are_checked(change: Any, field: str | None, expected: str) -> None:
+    with qkv.tracing() as t:
+        qkv.scaled_dot_product_attention(np.eye(2), np.eye(2), np.eye(2))
+    data = t.to_dict()
+    change(data)
+    with pytest.raises(trace_module.TraceFileError) as info:
+        qkv.Trace.from_json(json.dumps(data))
+    assert info.value.field == field and expected in str(info.value)
+    assert "\n" not in str(info.value)

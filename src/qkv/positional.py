@@ -51,6 +51,7 @@ from qkv._array import (
     to_numpy,
 )
 from qkv._array import device as array_device
+from qkv.masks._scores import alibi_slopes, alibi_table
 
 __all__ = [
     "ALiBi",
@@ -67,42 +68,6 @@ RopeLayout = Literal["half", "interleaved"]
 
 
 # -- ALiBi ----------------------------------------------------------------------------------
-
-
-def alibi_slopes(num_heads: int) -> list[float]:
-    """The ALiBi slope m_h of each head: a geometric sequence, 2^(−8/H), 2^(−16/H), ...
-
-    For a power of two H the slopes are ``2^(−8·(h+1)/H)``. For other head counts (as in the
-    paper's reference code) the slopes of the largest power of two n < H come first, followed
-    by every other slope of 2n, so that the slopes stay spread between 0 and 1.
-
-    Args:
-        num_heads: H ≥ 1.
-
-    Returns:
-        H floats, the slope of head 0 first (the steepest).
-
-    Example:
-        >>> alibi_slopes(8)[:3]
-        [0.5, 0.25, 0.125]
-        >>> [round(m, 4) for m in alibi_slopes(6)]
-        [0.25, 0.0625, 0.0156, 0.0039, 0.5, 0.125]
-    """
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(
-            f"num_heads must be a positive integer, got {num_heads!r}. "
-            "Hint: ALiBi gives each attention head its own slope, e.g. alibi_slopes(8)."
-        )
-
-    def power_of_two(n: int) -> list[float]:
-        start = 2.0 ** (-8.0 / n)
-        return [start ** (h + 1) for h in range(n)]
-
-    closest = 1 << (num_heads.bit_length() - 1)  # the largest power of two ≤ H
-    slopes = power_of_two(closest)
-    if closest < num_heads:
-        slopes += power_of_two(2 * closest)[0::2][: num_heads - closest]
-    return slopes
 
 
 def alibi_bias(
@@ -155,11 +120,7 @@ def alibi_bias(
     xp = _namespace(xp)
     if dtype is None:
         dtype = xp.float32 if _is_torch_xp(xp) else xp.float64
-    query_pos = xp.reshape(xp.arange(q_len, device=device), (1, q_len, 1)) + offset
-    key_pos = xp.reshape(xp.arange(kv_len, device=device), (1, 1, kv_len))
-    distance = xp.astype(-xp.abs(query_pos - key_pos), dtype)  # −|i − j|: (1, Lq, Lk)
-    m = xp.reshape(xp.asarray(values, dtype=dtype, device=device), (num_heads, 1, 1))
-    return m * distance  # (H, Lq, Lk)
+    return alibi_table(values, q_len, kv_len, offset, xp=xp, device=device, dtype=dtype)
 
 
 # -- sinusoidal ------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from qkv.attention._dispatch import (
     scaled_dot_product_attention,
 )
 from qkv.attention._heads import merge_heads, multi_head_attention, self_attention, split_heads
-from qkv.attention._sdpa import reference_attention
+from qkv.attention._reference import reference_attention
 from qkv.attention._softmax import softmax
 
 __all__ = [

@@ -1,7 +1,7 @@
-"""The backends of attention, one signature for all: each takes a checked :class:`Call`,
-says what it refuses (and why), and runs it.
+"""The backends of attention, one signature for all: each takes a checked
+:class:`~qkv.attention._options.Call`, says what it refuses (and why), and runs it.
 
-    reference   the readable reference (``_sdpa.py``), NumPy or PyTorch; forms every step
+    reference   the readable reference (``_reference.py``), NumPy or PyTorch; forms every step
     sdpa        torch.nn.functional.scaled_dot_product_attention (fused, no (Lq, Lk) matrix
                 unless a mask or bias has to be passed as one)
     tiled       qkv.kernels.tiled_attention (O(L) memory, masks skip empty blocks)
@@ -9,16 +9,15 @@ says what it refuses (and why), and runs it.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from qkv._array import Array, library
-from qkv.attention._sdpa import attend
-from qkv.masks import Mask, ScoreMod
-from qkv.trace import Trace
+from qkv.attention._options import Call
+from qkv.attention._reference import attend
+from qkv.masks import Mask
 
 __all__ = ["BACKENDS", "DENSE_MASK_LIMIT", "MEMORY_FRACTION", "Backend", "Call"]
 
@@ -33,47 +32,6 @@ MEMORY_FRACTION = 0.25
 steps, a full trace) before auto looks elsewhere."""
 
 _REFERENCE_COPIES = 5  # scores, scaled, masked, weights, and softmax's temporaries
-
-
-@dataclass(frozen=True)
-class Call:
-    """One attention call, checked: what every backend receives.
-
-    ``lead`` names the axes before (L, D) (``("batch", "head")`` for (B, H, L, D)); the
-    other fields are the arguments of :func:`scaled_dot_product_attention`, with ``trace``
-    resolved (the one given or the enclosing ``qkv.tracing()`` block's) and ``generator``
-    already turned into an int seed when dropout is on.
-    """
-
-    xp: Any
-    query: Array
-    key: Array
-    value: Array
-    lead: tuple[str, ...]
-    mask: Array | Mask | None = None
-    bias: Array | None = None
-    score_mod: ScoreMod | None = None
-    is_causal: bool = False
-    causal_alignment: str = "top-left"
-    scale: float | None = None
-    dropout_p: float = 0.0
-    generator: Any = None
-    return_weights: bool = False
-    trace: Trace | None = None
-    formulas: dict[str, str] | None = None
-    squeeze_heads: bool = False
-
-    @property
-    def torch(self) -> bool:
-        return library(self.query) == "torch"
-
-    @property
-    def masked(self) -> bool:
-        return self.mask is not None or self.is_causal
-
-    def scores_elements(self) -> int:
-        """Elements of one (..., H, Lq, Lk) matrix."""
-        return math.prod(int(n) for n in self.query.shape[:-1]) * int(self.key.shape[-2])
 
 
 @dataclass(frozen=True)
@@ -106,27 +64,15 @@ def _reference_refusal(call: Call, auto: bool) -> str | None:
 
 
 def _run_reference(call: Call) -> tuple[Array, Array | None]:
-    context: Array
-    weights: Array
-    context, weights = attend(
+    return attend(
         call.xp,
         call.query,
         call.key,
         call.value,
+        call.options,
         lead=call.lead,
-        mask=call.mask,
-        bias=call.bias,
-        score_mod=call.score_mod,
-        is_causal=call.is_causal,
-        causal_alignment=call.causal_alignment,
-        scale=call.scale,
-        dropout_p=call.dropout_p,
-        generator=call.generator,
-        trace=call.trace,
-        qkv_formulas=call.formulas,
-        squeeze_heads=call.squeeze_heads,
+        recorder=call.recorder,
     )
-    return context, weights
 
 
 def _common_refusal(call: Call, what: str) -> str | None:
@@ -143,16 +89,18 @@ def _sdpa_refusal(call: Call, auto: bool) -> str | None:
     common = _common_refusal(call, "torch's fused kernel")
     if common is not None:
         return common
-    if call.dropout_p > 0:
+    options = call.options
+    if options.dropout_p > 0:
         return "dropout: torch draws its own random numbers, not qkv's generator pattern"
-    if call.score_mod is not None:
+    if options.score_mod is not None:
         return "a score_mod: torch takes only a mask and an additive bias"
-    if call.bias is not None and getattr(call.bias, "requires_grad", False):
+    bias = options.bias
+    if bias is not None and getattr(bias, "requires_grad", False):
         return "a bias that needs a gradient"
-    if call.bias is not None and _needs_grad(call):
+    if bias is not None and _needs_grad(call):
         from qkv.kernels import huge_bias
 
-        if huge_bias(call.bias):
+        if huge_bias(bias):
             return (
                 "a bias beyond ±65536 (such as finfo.min for blocked keys) and a gradient: "
                 "torch's backward is wrong on rows whose keys are all blocked"
@@ -163,13 +111,13 @@ def _sdpa_refusal(call: Call, auto: bool) -> str | None:
     elements = dense_mask_elements(
         tuple(q4.shape),
         tuple(k4.shape),
-        mask=_four_mask(call.mask, call),
-        bias=_four_mask(call.bias, call),
-        is_causal=call.is_causal,
-        causal_alignment=call.causal_alignment,
+        mask=_four_mask(options.mask, call),
+        bias=_four_mask(bias, call),
+        is_causal=options.is_causal,
+        causal_alignment=options.causal_alignment,
     )
     if auto and elements > DENSE_MASK_LIMIT:
-        kind = "mask and bias" if call.bias is not None else "mask"
+        kind = "mask and bias" if bias is not None else "mask"
         return f"would need a dense {kind} array of {elements:,} elements"
     return None
 
@@ -185,17 +133,18 @@ def _needs_grad(call: Call) -> bool:
 def _run_sdpa(call: Call) -> tuple[Array, Array | None]:
     from qkv.kernels import sdpa_attention
 
+    options = call.options
     out = sdpa_attention(
         _four(call.query, call.lead),
         _four(call.key, call.lead),
         _four(call.value, call.lead),
-        mask=_four_mask(call.mask, call),
-        bias=_four_mask(call.bias, call),
-        is_causal=call.is_causal,
-        causal_alignment=call.causal_alignment,
-        scale=call.scale,
+        mask=_four_mask(options.mask, call),
+        bias=_four_mask(options.bias, call),
+        is_causal=options.is_causal,
+        causal_alignment=options.causal_alignment,
+        scale=options.scale,
     )
-    if call.masked or call.bias is not None:
+    if options.masked or options.bias is not None:
         import torch
 
         finite_in = torch.isfinite(call.query).all() & torch.isfinite(call.key).all()
@@ -212,20 +161,22 @@ def _tiled_refusal(call: Call, auto: bool) -> str | None:
 
 
 def _run_tiled(call: Call) -> tuple[Array, Array | None]:
-    from qkv.kernels import tiled_attention
+    from qkv.kernels._api import run_tiled
 
-    out = tiled_attention(
+    options = call.options
+    dense = options.dense_mask
+    bias = options.bias
+    out = run_tiled(
         _four(call.query, call.lead),
         _four(call.key, call.lead),
         _four(call.value, call.lead),
-        mask=_four_mask(call.mask, call),
-        bias=_four_mask(call.bias, call),
-        score_mod=call.score_mod,
-        is_causal=call.is_causal,
-        causal_alignment=call.causal_alignment,
-        scale=call.scale,
-        dropout_p=call.dropout_p,
-        generator=call.generator,
+        rule=options.rule,
+        dense_mask=None if dense is None else _four_mask(dense, call),
+        bias=None if bias is None else _four_mask(bias, call),
+        score_mod=options.score_mod,
+        scale=options.scale_for(int(call.query.shape[-1])),
+        dropout_p=options.dropout_p,
+        seed=options.seed,
     )
     return _three(out, call.lead), None
 

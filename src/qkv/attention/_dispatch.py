@@ -14,14 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from qkv._array import Array, as_array, library
-from qkv.attention import _checks
-from qkv.attention._backends import BACKENDS, BackendName, Call
+from qkv._array import Array, device
+from qkv.attention import _backends
+from qkv.attention._backends import BACKENDS, BackendName
 from qkv.attention._long_trace import record_partial
-from qkv.attention._sdpa import default_lead_axes
-from qkv.masks import Alignment, Mask, ScoreMod, draw_seed
-from qkv.masks._scores import as_score_mod
-from qkv.trace import Trace, resolve
+from qkv.attention._options import Call, Recorder, make_call
+from qkv.masks import Alignment, Mask, ScoreMod
+from qkv.trace import Trace
 
 __all__ = [
     "BACKENDS",
@@ -30,6 +29,8 @@ __all__ = [
     "decide",
     "dispatch_of_trace",
     "explain_dispatch",
+    "make_call",
+    "positional_bias",
     "run_call",
     "scaled_dot_product_attention",
 ]
@@ -108,6 +109,7 @@ def decide(call: Call, requested: str) -> Dispatch:
     A requested backend that cannot run the call gives a Dispatch with backend ``"none"``
     and the reason in ``refusal`` (running the call raises ValueError).
     """
+    call = positional_bias(call)
     if requested != "auto" and requested in BACKENDS:
         refused = BACKENDS[requested].refusal(call, False)
         if refused is not None:
@@ -139,11 +141,12 @@ def decide(call: Call, requested: str) -> Dispatch:
             else:
                 reasons[name] = "could run; " + _passed_over(name, chosen)
     notes = []
+    options = call.options
     if chosen != "reference" and call.trace is not None:
         notes.append(_trace_note(call))
-    if chosen == "sdpa" and (call.masked or call.bias is not None):
+    if chosen == "sdpa" and (options.masked or options.bias is not None):
         notes.append("sdpa's output is checked for NaN/inf; if any, the tiled kernel redoes it")
-    if call.is_causal and call.mask is not None:
+    if options.is_causal and options.mask is not None:
         notes.append(
             "is_causal=True and mask= are combined: a key is attended only where both allow "
             "it (torch's SDPA raises instead)"
@@ -196,7 +199,8 @@ def _auto(call: Call, refusals: dict[str, str | None]) -> tuple[str, str]:
 def _why_fast(call: Call, name: str) -> str:
     if name == "sdpa":
         return "fused kernel; runs this call without a large dense mask"
-    if isinstance(call.mask, Mask) and call.mask.knows_blocks:
+    mask = call.options.mask
+    if isinstance(mask, Mask) and mask.knows_blocks:
         return "structured mask: empty blocks are skipped, no (Lq, Lk) array"
     return "runs in O(L) memory, evaluating masks block by block"
 
@@ -318,107 +322,45 @@ def scaled_dot_product_attention(
     return (context, weights) if return_weights else context
 
 
-def make_call(
-    query: Array,
-    key: Array,
-    value: Array,
-    *,
-    mask: Array | Mask | None = None,
-    bias: Array | None = None,
-    score_mod: ScoreMod | Callable[..., Any] | None = None,
-    is_causal: bool = False,
-    causal_alignment: str = "top-left",
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    dropout_p: float = 0.0,
-    generator: Any = None,
-    return_weights: bool = False,
-    trace: Trace | None = None,
-) -> Call:
-    """Check the arguments of :func:`scaled_dot_product_attention` and bundle them."""
-    xp, query, key, value = _checks.qkv_arrays(query, key, value, enable_gqa=enable_gqa)
-    return checked_call(
-        xp,
-        query,
-        key,
-        value,
-        lead=default_lead_axes(query.ndim, enable_gqa=enable_gqa),
-        mask=mask,
-        bias=bias,
-        score_mod=score_mod,
-        is_causal=is_causal,
-        causal_alignment=causal_alignment,
-        scale=scale,
-        dropout_p=dropout_p,
-        generator=generator,
-        return_weights=return_weights,
-        trace=resolve(trace),
-    )
-
-
-def checked_call(
-    xp: Any,
-    query: Array,
-    key: Array,
-    value: Array,
-    *,
-    lead: tuple[str, ...],
-    mask: Array | Mask | None,
-    bias: Array | None,
-    score_mod: ScoreMod | Callable[..., Any] | None,
-    is_causal: bool,
-    causal_alignment: str,
-    scale: float | None,
-    dropout_p: float,
-    generator: Any,
-    return_weights: bool,
-    trace: Trace | None,
-    formulas: dict[str, str] | None = None,
-    squeeze_heads: bool = False,
-) -> Call:
-    """A :class:`Call` from checked query, key, value: checks the options, mask and bias."""
-    _checks.check_options(scale, dropout_p, causal_alignment)
-    scores_shape = (*query.shape[:-2], query.shape[-2], key.shape[-2])
-    _checks.check_mask(mask, query, scores_shape)
-    bias = None if bias is None else as_array(bias, "bias")
-    _checks.check_bias(bias, query, scores_shape)
-    score = as_score_mod(score_mod)
-    seed = None
-    if dropout_p > 0:
-        seed = draw_seed(generator, torch_inputs=library(query) == "torch")
-    return Call(
-        xp=xp,
-        query=query,
-        key=key,
-        value=value,
-        lead=lead,
-        mask=mask,
-        bias=bias,
-        score_mod=score,
-        is_causal=bool(is_causal),
-        causal_alignment=causal_alignment,
-        scale=scale,
-        dropout_p=float(dropout_p),
-        generator=seed,
-        return_weights=return_weights,
-        trace=trace,
-        formulas=formulas,
-        squeeze_heads=squeeze_heads,
-    )
-
-
 def run_call(call: Call, backend: str = "auto") -> tuple[Array, Array | None]:
     """Run a checked call on the backend chosen for it; returns (context, weights or None).
 
     A fast backend computes the context; a trace then gets its (Lq, Lk) steps from the
     reference, on the selected heads and query rows (:func:`record_partial`).
     """
+    call = positional_bias(call)
     chosen = choose(call, backend)
     if chosen == "reference" or call.trace is None:
         return BACKENDS[chosen].run(call)
-    context, _ = BACKENDS[chosen].run(replace(call, trace=None))
-    record_partial(call, call.trace, context)
+    context, _ = BACKENDS[chosen].run(replace(call, recorder=Recorder()))
+    record_partial(call, call.trace, context, backend=chosen)
     return context, None
+
+
+def positional_bias(call: Call) -> Call:
+    """ALiBi (an additive score modifier) as an (H, Lq, Lk) ``bias`` where that is best.
+
+    The bias array when it holds at most :data:`~qkv.attention._backends.DENSE_MASK_LIMIT`
+    elements (PyTorch's fused kernel takes a bias, not a modifier) or when the reference
+    forms the (Lq, Lk) steps anyway (weights or a trace are asked for); beyond, the
+    modifier stays, and the tiled kernel computes the same numbers block by block.
+    """
+    options = call.options
+    modifier = options.score_mod
+    if modifier is None or not modifier.additive:
+        return call
+    heads = int(call.query.shape[-3]) if "head" in call.lead else 1
+    q_len, kv_len = int(call.query.shape[-2]), int(call.key.shape[-2])
+    small = heads * q_len * kv_len <= _backends.DENSE_MASK_LIMIT
+    if not (small or call.return_weights or call.trace is not None):
+        return call
+    table = modifier.as_bias(
+        heads, q_len, kv_len, xp=call.xp, device=device(call.query), dtype=call.query.dtype
+    )  # (H, Lq, Lk)
+    if "head" not in call.lead:
+        table = table[0]  # (Lq, Lk)
+    bias = table if options.bias is None else options.bias + table
+    return replace(call, options=replace(options, bias=bias, score_mod=None))
 
 
 def dispatch_of_trace(trace: Trace) -> Dispatch:

@@ -17,19 +17,11 @@ from typing import Any
 from qkv._array import Array, as_array, is_torch_namespace, namespace, shape_str
 from qkv.attention import _checks
 from qkv.attention._backends import BackendName
-from qkv.attention._dispatch import checked_call, run_call
+from qkv.attention._dispatch import run_call
+from qkv.attention._options import make_call
 from qkv.masks import Alignment, Mask, ScoreMod
+from qkv.steps import WORDS
 from qkv.trace import Trace, resolve
-
-PROJECTION_TEXT = {
-    "embeddings": ("X", "word embeddings: one row per token (d_model numbers each)"),
-    "W_q": ("W_q", "learned query projection (d_model × d_k): Q = X·W_q"),
-    "W_k": ("W_k", "learned key projection (d_model × d_k): K = X·W_k"),
-    "W_v": ("W_v", "learned value projection (d_model × d_v): V = X·W_v"),
-    "concat": ("concat(C_1, …, C_h)", "the context vectors of all heads, side by side"),
-    "W_o": ("W_o", "learned output projection (h·d_v × d_out)"),
-    "output": ("O = concat·W_o", "the output of multi-head attention, one row per token"),
-}
 
 
 def split_heads(xp: Any, x: Array, heads: int) -> Array:
@@ -154,27 +146,29 @@ def multi_head_attention(
     lead = (*_batch_axes(x.ndim - 2), "head")
     split = f", split into {heads} heads" if heads > 1 else ""
     src = "X" if context is None else "Y"
-    call = checked_call(
-        xp,
+    kv_split = f", split into {kv_heads} heads" if kv_heads > 1 else ""
+    formulas = {
+        "Q": f"Q = X·W_q{split}",
+        "K": f"K = {src}·W_k{kv_split}",
+        "V": f"V = {src}·W_v{kv_split}",
+    }
+    call = make_call(
         q,
         k,
         v,
-        lead=lead,
         mask=mask,
         bias=bias,
         score_mod=score_mod,
         is_causal=is_causal,
         causal_alignment=causal_alignment,
         scale=scale,
+        enable_gqa=kv_heads != heads,
         dropout_p=dropout_p,
         generator=generator,
         return_weights=return_weights,
         trace=trace,
-        formulas={
-            "Q": f"Q = X·W_q{split}",
-            "K": f"K = {src}·W_k" + (f", split into {kv_heads} heads" if kv_heads > 1 else ""),
-            "V": f"V = {src}·W_v" + (f", split into {kv_heads} heads" if kv_heads > 1 else ""),
-        },
+        lead=lead,
+        formulas=formulas,
         squeeze_heads=heads == 1 and kv_heads == 1,
     )
     context_vectors, weights = run_call(call, backend)
@@ -375,8 +369,8 @@ def _projection_recorder(trace: Trace | None, batch_dims: int) -> Callable[..., 
     def record(name: str, value: Array, axes: tuple[str, ...], *, batched: bool = True) -> None:
         if trace is None:
             return
-        formula, description = PROJECTION_TEXT[name]
+        words = WORDS[name]
         names = (*(batch_axes if batched else ()), *axes)
-        trace.record(name, value, formula=formula, description=description, axes=names)
+        trace.record(name, value, formula=words.formula, description=words.description, axes=names)
 
     return record

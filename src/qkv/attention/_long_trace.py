@@ -14,16 +14,17 @@ from typing import Any
 
 from qkv._array import Array, library
 from qkv.attention import _backends
-from qkv.attention._backends import _REFERENCE_COPIES, MEMORY_FRACTION, Call, _itemsize, _size
-from qkv.attention._sdpa import Positions, attend
-from qkv.masks import Mask
+from qkv.attention._backends import _REFERENCE_COPIES, MEMORY_FRACTION, _itemsize, _size
+from qkv.attention._options import Call, Positions, Recorder, shapes_of
+from qkv.attention._reference import attend
 from qkv.trace import Trace
 
 __all__ = ["record_partial"]
 
 
-def record_partial(call: Call, trace: Trace, context: Array) -> None:
-    """Record the steps of ``call`` into ``trace`` with (Lq, Lk) steps cut to a selection."""
+def record_partial(call: Call, trace: Trace, context: Array, *, backend: str) -> None:
+    """Record the steps of ``call`` into ``trace`` with (Lq, Lk) steps cut to a selection;
+    ``backend`` (which computed ``context``) goes into the trace's record of the call."""
     heads_total = int(call.query.shape[-3]) if "head" in call.lead else 1
     q_len, kv_len = int(call.query.shape[-2]), int(call.key.shape[-2])
     heads = trace.selection("head", heads_total) if "head" in call.lead else None
@@ -45,7 +46,16 @@ def record_partial(call: Call, trace: Trace, context: Array) -> None:
             "qkv.tracing(heads=[...], queries=[...]).",
             stacklevel=4,
         )
-        trace.meta["partial"] = {"heads": head_rows, "queries": rows, "q_len": q_len}
+        reduced = {"heads": head_rows, "queries": rows, "q_len": q_len}
+    else:
+        reduced = None
+    trace.begin_call(
+        backend=backend,
+        shapes=shapes_of(call.query, call.key, call.value),
+        rows={"heads": head_rows, "queries": rows, "q_len": q_len},
+    )
+    if reduced is not None:
+        trace.note(partial=reduced)
     positions = Positions(
         heads=head_rows if "head" in call.lead else None, queries=rows, q_len=q_len
     )
@@ -61,18 +71,15 @@ def _record_rows(call: Call, trace: Trace, positions: Positions, context: Array)
     steps computed by the reference on the selected rows only."""
     xp = call.xp
     lead = call.lead
+    options = call.options
     rows = positions.queries
     q_axis = len(lead)  # the query axis of (…lead, Lq, D)
     query = _take(xp, call.query, rows, q_axis)
     key, value = call.key, call.value
     scores_shape = (*call.query.shape[:-2], call.query.shape[-2], call.key.shape[-2])
-    mask, bias = call.mask, call.bias
-    mask = None if mask is None or isinstance(mask, Mask) else _broadcast(xp, mask, scores_shape)
-    bias = None if bias is None else _broadcast(xp, bias, scores_shape)
-    if mask is not None:
-        mask = _take(xp, mask, rows, q_axis)
-    if bias is not None:
-        bias = _take(xp, bias, rows, q_axis)
+    mask, bias = options.dense_mask, options.bias
+    mask = None if mask is None else _take(xp, _broadcast(xp, mask, scores_shape), rows, q_axis)
+    bias = None if bias is None else _take(xp, _broadcast(xp, bias, scores_shape), rows, q_axis)
     if positions.heads is not None:
         h_axis = lead.index("head")
         group = int(call.query.shape[-3]) // int(call.key.shape[-3])
@@ -82,26 +89,12 @@ def _record_rows(call: Call, trace: Trace, positions: Positions, context: Array)
         value = _take(xp, value, [h // group for h in heads], h_axis)
         mask = None if mask is None else _take(xp, mask, heads, h_axis)
         bias = None if bias is None else _take(xp, bias, heads, h_axis)
-    rule = call.mask if isinstance(call.mask, Mask) else None
+    # The rows' own options: the rule evaluates at the original positions (the recorder's
+    # ``positions``), a dense mask and bias are cut to the rows.
+    rows_options = replace(options, mask=options.mask if mask is None else mask, bias=bias)
     partial = Trace()
-    attend(
-        xp,
-        query,
-        key,
-        value,
-        lead=lead,
-        mask=rule if rule is not None else mask,
-        bias=bias,
-        score_mod=call.score_mod,
-        is_causal=call.is_causal,
-        causal_alignment=call.causal_alignment,
-        scale=call.scale,
-        dropout_p=call.dropout_p,
-        generator=call.generator,
-        trace=partial,
-        positions=positions,
-        squeeze_heads=call.squeeze_heads,
-    )
+    recorder = Recorder(partial, squeeze_heads=call.recorder.squeeze_heads, positions=positions)
+    attend(xp, query, key, value, rows_options, lead=lead, recorder=recorder)
     whole = {"Q": call.query, "K": call.key, "V": call.value, "context": context}
     index = {"query": list(rows)}
     if positions.heads is not None:
@@ -111,15 +104,14 @@ def _record_rows(call: Call, trace: Trace, positions: Positions, context: Array)
             trace.record(
                 step.name,
                 whole[step.name],
-                formula=(call.formulas or {}).get(step.name, step.formula),
+                formula=call.recorder.formulas.get(step.name, step.formula),
                 description=step.description,
                 axes=step.axes,
             )
-        elif trace.wants_step(step.name):
-            # Already cut to the selection: appended as it is, with the rows it holds.
-            layer = getattr(getattr(trace, "_state", None), "layer", None)
-            trace.steps.append(replace(step, index=index, layer=layer))
-    trace.meta.update(partial.meta)
+        else:  # already cut to the selection: added as it is, with the rows it holds
+            trace.add(replace(step, index=index))
+    # The facts as the rows' own call gave them (num_heads counts the heads recorded).
+    trace.end_call(**partial.meta)
 
 
 def _take(xp: Any, x: Array, rows: list[int], axis: int) -> Array:

@@ -5,7 +5,7 @@ numbers as printed in the earlier steps ("claimed") and the correct ones ("exact
 explains the row when every printed number is within its allowance (printed precision plus
 carried rounding, computed for that slip). When several rows of a step are wrong, the slip
 that explains the most of them wins (one mistake repeated is likelier than several), then the
-order of :data:`~qkv.check._report.DIAGNOSES`, then the printed starting point.
+order of :data:`~qkv.check._findings.DIAGNOSES`, then the printed starting point.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qkv.check._compare import EPSILON, Entry, Sensitivity, matches
+from qkv.check._findings import DIAGNOSES
 from qkv.check._pipeline import (
     NOT_SUMMED,
     SCALED_BY_DK,
@@ -25,6 +26,7 @@ from qkv.check._pipeline import (
     UNSCALED,
     WRONG_AXIS,
     WRONG_QUERY,
+    Candidate,
     Overrides,
     Setup,
     Slip,
@@ -32,9 +34,8 @@ from qkv.check._pipeline import (
     forward,
     row_of,
 )
-from qkv.check._report import DIAGNOSES
 
-__all__ = ["Candidate", "Problem", "diagnose_step", "slips_for"]
+__all__ = ["Problem", "diagnose_step", "slips_for"]
 
 LOOSE = 10.0
 """A slip is checked closely only when it is within this many carried roundings (a cheap
@@ -100,23 +101,6 @@ class Problem:
     t: int
     claimed: np.ndarray
     half: np.ndarray
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A slip that reproduces a row.
-
-    Attributes:
-        slip: the slip.
-        start: ``"claimed"`` (made on the numbers printed before) or ``"exact"``.
-        value: the row the slip gives.
-        values: every step of that computation (for the message).
-    """
-
-    slip: Slip
-    start: str
-    value: np.ndarray
-    values: Values
 
 
 def _group(candidate: Candidate, t: int) -> tuple[object, ...]:

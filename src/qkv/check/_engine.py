@@ -20,8 +20,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from qkv.check._compare import ROUNDING, WRONG, Entry, Sensitivity, grade, half_units, matches
-from qkv.check._diagnose import Candidate, Problem, diagnose_step
-from qkv.check._pipeline import STEPS, Overrides, Setup, Values, correct_values, row_of
+from qkv.check._diagnose import Problem, diagnose_step
+from qkv.check._pipeline import (
+    STEPS,
+    Candidate,
+    Overrides,
+    Setup,
+    Values,
+    correct_values,
+    row_of,
+)
 from qkv.check._report import Finding, Report
 from qkv.check._words import Words
 from qkv.examples import Claimed, Example, resolve

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from qkv.check._report import Finding, Report
-from qkv.check._words import NOUNS
-from qkv.render import TITLES
+from qkv.check._findings import Finding, ReportData
+from qkv.steps import WORDS
 
 __all__ = ["SYMBOLS", "columns", "heading", "status_line", "summary"]
 
@@ -17,10 +16,10 @@ _MAX_LABEL = 12
 
 def heading(step: str) -> str:
     """``Q · Query vectors``."""
-    return f"{step} · {TITLES[step]}"
+    return f"{step} · {WORDS[step].title}"
 
 
-def token_label(finding: Finding, report: Report) -> str:
+def token_label(finding: Finding, report: ReportData) -> str:
     """The token, with its position when it appears more than once."""
     if report.tokens.count(finding.token) > 1:
         return f"{finding.token} ({finding.position})"
@@ -31,14 +30,14 @@ def _short(label: str) -> str:
     return label if len(label) <= _MAX_LABEL else label[: _MAX_LABEL - 1] + "…"
 
 
-def columns(finding: Finding, report: Report) -> list[str]:
+def columns(finding: Finding, report: ReportData) -> list[str]:
     """Column labels: the keys (tokens) of a score row, else d1, d2, ..."""
     if finding.step in ("scores", "scaled", "weights"):
         return [_short(token) for token in report.tokens]
     return [f"d{i + 1}" for i in range(len(finding.claimed))]
 
 
-def status_line(finding: Finding, report: Report) -> str:
+def status_line(finding: Finding, report: ReportData) -> str:
     """``love · mismatch: arithmetic · line 28`` (without the symbol)."""
     parts = [token_label(finding, report)]
     if finding.status == "mismatch":
@@ -55,7 +54,7 @@ def status_line(finding: Finding, report: Report) -> str:
     return " · ".join(parts)
 
 
-def summary(report: Report) -> list[str]:
+def summary(report: ReportData) -> list[str]:
     """The verdict in one to three sentences."""
     counts = report.counts()
     total = len(report.findings)
@@ -91,6 +90,6 @@ def summary(report: Report) -> list[str]:
     first = report.first_wrong
     if first is not None:
         where = f" (line {first.line})" if first.line is not None else ""
-        noun = NOUNS[first.step][0]
+        noun = WORDS[first.step].noun(1)
         lines.append(f'First wrong step: {first.step}, the {noun} of "{first.token}"{where}.')
     return lines

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+from qkv._format import markdown_escape, number
+from qkv.check._findings import Finding, ReportData
 from qkv.check._layout import MARKS, SYMBOLS, columns, heading, status_line, summary
-from qkv.check._report import Finding, Report
-from qkv.render._format import markdown_escape, number
 
 __all__ = ["markdown"]
 
 
-def markdown(report: Report) -> str:
+def markdown(report: ReportData) -> str:
     """The report as GitHub-flavoured Markdown (tokens and messages escaped).
 
     Example:
@@ -36,7 +36,7 @@ def markdown(report: Report) -> str:
     return "\n".join(out).rstrip("\n") + "\n"
 
 
-def _finding(finding: Finding, report: Report) -> list[str]:
+def _finding(finding: Finding, report: ReportData) -> list[str]:
     head = f"**{SYMBOLS[finding.status]} {markdown_escape(status_line(finding, report))}**"
     if finding.status == "ok":
         return [f"{head}: \\[{', '.join(markdown_escape(p) for p in finding.printed)}\\]", ""]

@@ -33,6 +33,7 @@ __all__ = [
     "ROW_STEPS",
     "SCORE_STEPS",
     "STEPS",
+    "Candidate",
     "Overrides",
     "Setup",
     "Slip",
@@ -80,6 +81,23 @@ class Slip:
     row: int = -1
     query: int = -1
     key: int = -1
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A slip that reproduces a row: what the diagnosis finds and the messages explain.
+
+    Attributes:
+        slip: the slip.
+        start: ``"claimed"`` (made on the numbers printed before) or ``"exact"``.
+        value: the row the slip gives.
+        values: every step of that computation (for the message).
+    """
+
+    slip: Slip
+    start: str
+    value: np.ndarray
+    values: Values
 
 
 @dataclass(frozen=True)

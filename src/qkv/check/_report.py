@@ -1,4 +1,9 @@
-"""The result of a check: one :class:`Finding` per claimed row, gathered in a :class:`Report`.
+"""The result of a check, :class:`Report`: the plain data of :mod:`~qkv.check._findings` and
+its formats (text, Markdown, JSON).
+
+The formatters are functions beside the data (``_text``, ``_markdown``, ``_json``) that read
+a :class:`~qkv.check._findings.ReportData`; :class:`Report` only adds methods that call them,
+so no formatter imports this module.
 
 The JSON form (``Report.to_json``) is a stable, documented schema (docs/check.md)::
 
@@ -8,172 +13,51 @@ The JSON form (``Report.to_json``) is a stable, documented schema (docs/check.md
 
 from __future__ import annotations
 
-import dataclasses
-import json
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from qkv.check import _json, _markdown, _text
+from qkv.check._findings import DIAGNOSES, STATUSES, Finding, ReportData
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-__all__ = ["DIAGNOSES", "FORMATS", "STATUSES", "Finding", "Report"]
-
-STATUSES = ("ok", "mismatch", "consequential", "note")
-"""What a finding can say about a claimed row.
-
-``ok``: every number matches within its printed precision. ``mismatch``: a mistake made in
-this step (``diagnosis`` names it). ``consequential``: the step was done right, but on wrong
-numbers from an earlier step. ``note``: off only beyond the printed precision (``rounding``).
-"""
-
-DIAGNOSES = {
-    "unscaled": "softmax of Q·Kᵀ without dividing by √d_k",
-    "scaled-by-dk": "divided by d_k instead of √d_k",
-    "transposed-weights": "X·Wᵀ instead of X·W (the column-vector convention mixed up)",
-    "softmax-wrong-axis": "softmax normalised over the queries (columns) instead of over the "
-    "keys (rows)",
-    "query-key-swapped": "K·Qᵀ instead of Q·Kᵀ: a score row holds another query's scores",
-    "context-not-summed": 'the "context vectors" are the products w_j·v_j of one query, not '
-    "their sum",
-    "wrong-query": "the row was computed with another token's query",
-    "arithmetic": "one or a few numbers wrong, with no pattern above",
-    "rounding": "differs only beyond the printed precision (a note, not an error)",
-}
-"""Each diagnosis code and the slip it names, in the order they are tried."""
+__all__ = ["DIAGNOSES", "FORMATS", "STATUSES", "Finding", "Report", "render"]
 
 FORMATS = ("text", "markdown", "json")
 """The output formats of a report, as ``qkv check --format`` names them."""
 
 
-@dataclass(frozen=True)
-class Finding:
-    """What the checker found about one claimed row, e.g. the weights of the query "love".
+def render(report: ReportData, format: str = "text", *, width: int = 80) -> str:
+    """The report in one of :data:`FORMATS`.
 
-    Attributes:
-        step: the step name (``"Q"``, ``"scores"``, ``"weights"``, ...).
-        token: the token whose row it is.
-        position: the token's 0-based position.
-        claimed: the numbers as claimed.
-        printed: the same numbers as printed in the file (``"0.50"``), for their digits.
-        expected: the correct numbers.
-        status: one of :data:`STATUSES`.
-        diagnosis: a code of :data:`DIAGNOSES` for a mismatch (``"rounding"`` for a note);
-            None for ``ok`` and ``consequential``.
-        message: what is wrong and what the step should have been, in plain words.
-        marks: per number, ``"ok"``, ``"rounding"`` or ``"wrong"``.
-        line: the line of the row in the file, when known.
-        cause: for a consequential row, the (step, position) of the mistake it follows from.
-        decimals: how many decimals to show the numbers of this row with.
+    Raises:
+        ValueError: an unknown format, naming the ones there are.
     """
-
-    step: str
-    token: str
-    position: int
-    claimed: tuple[float, ...]
-    printed: tuple[str, ...]
-    expected: tuple[float, ...]
-    status: str
-    diagnosis: str | None
-    message: str
-    marks: tuple[str, ...]
-    line: int | None = None
-    cause: tuple[str, int] | None = None
-    decimals: int = 4
-
-    @property
-    def wrong(self) -> bool:
-        """A mismatch or a consequential error (notes and matches are not wrong)."""
-        return self.status in ("mismatch", "consequential")
-
-    def to_dict(self) -> dict[str, Any]:
-        """The finding in the JSON schema: step, token, claimed, expected, status, diagnosis,
-        message. ``expected`` is rounded to 6 decimals."""
-        return {
-            "step": self.step,
-            "token": self.token,
-            "claimed": [float(x) for x in self.claimed],
-            "expected": [round(float(x), 6) + 0.0 for x in self.expected],
-            "status": self.status,
-            "diagnosis": self.diagnosis,
-            "message": self.message,
-        }
+    if format == "text":
+        return _text.text(report, width=width)
+    if format == "markdown":
+        return _markdown.markdown(report)
+    if format == "json":
+        return _json.to_json(report)
+    raise ValueError(f"unknown format {format!r}; expected one of {', '.join(FORMATS)}")
 
 
-@dataclass(frozen=True)
-class Report:
-    """The check of one worked example: a finding per claimed row, in the order of computation.
-
-    Attributes:
-        name: the example's title.
-        source: where it came from (``"built-in i-love-statistics"`` or the file path).
-        tokens: the example's tokens.
-        findings: one per claimed row: the steps in the order Q, K, V, scores, scaled,
-            weights, context, output, and the tokens in their order within a step.
-    """
-
-    name: str
-    source: str | None
-    tokens: tuple[str, ...]
-    findings: tuple[Finding, ...]
-
-    @property
-    def ok(self) -> bool:
-        """True when no claimed row is wrong (notes do not count)."""
-        return not any(f.wrong for f in self.findings)
-
-    @property
-    def first_wrong(self) -> Finding | None:
-        """The first mistake in the order of computation, or None."""
-        return next((f for f in self.findings if f.status == "mismatch"), None)
-
-    def counts(self) -> dict[str, int]:
-        """How many findings have each status."""
-        return {s: sum(f.status == s for f in self.findings) for s in STATUSES}
-
-    def visible(self) -> Report:
-        """The report with every control character in its texts (tokens, name, source,
-        messages, printed numbers) written out visibly, ``\\x1b`` for ESC: what the text and
-        Markdown reports show, so that a token cannot act on the terminal."""
-        from qkv.render._format import visible
-
-        findings = tuple(
-            dataclasses.replace(
-                f,
-                token=visible(f.token),
-                printed=tuple(visible(p) for p in f.printed),
-                message=visible(f.message),
-            )
-            for f in self.findings
-        )
-        return Report(
-            name=visible(self.name),
-            source=None if self.source is None else visible(self.source),
-            tokens=tuple(visible(t) for t in self.tokens),
-            findings=findings,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        """``{"ok": bool, "findings": [...]}``, see :meth:`Finding.to_dict`."""
-        return {"ok": self.ok, "findings": [f.to_dict() for f in self.findings]}
+class Report(ReportData):
+    """The check of one worked example (see :class:`~qkv.check._findings.ReportData` for its
+    fields), with a method for each of its formats."""
 
     def to_json(self, *, indent: int | None = 2) -> str:
         """The report as JSON (UTF-8 text, ending with a newline); control characters and
         bidirectional overrides in strings are ``\\uXXXX`` escapes, inert on a terminal."""
-        from qkv.render._format import json_safe
-
-        return json_safe(json.dumps(self.to_dict(), indent=indent, ensure_ascii=False)) + "\n"
+        return _json.to_json(self, indent=indent)
 
     def text(self, *, width: int = 80) -> str:
         """The report as plain text, no line longer than ``width`` (at least 40)."""
-        from qkv.check._text import text
-
-        return text(self, width=width)
+        return _text.text(self, width=width)
 
     def markdown(self) -> str:
         """The report as GitHub-flavoured Markdown."""
-        from qkv.check._markdown import markdown
-
-        return markdown(self)
+        return _markdown.markdown(self)
 
     def render(self, format: str = "text", *, width: int = 80) -> str:
         """The report in one of :data:`FORMATS`.
@@ -181,16 +65,8 @@ class Report:
         Raises:
             ValueError: an unknown format, naming the ones there are.
         """
-        if format == "text":
-            return self.text(width=width)
-        if format == "markdown":
-            return self.markdown()
-        if format == "json":
-            return self.to_json()
-        raise ValueError(f"unknown format {format!r}; expected one of {', '.join(FORMATS)}")
+        return render(self, format, width=width)
 
     def print(self, console: Console | None = None) -> None:
         """Print the text report: in colour on a terminal, plain text into a file or a pipe."""
-        from qkv.check._text import print_report
-
-        print_report(self, console)
+        _text.print_report(self, console)

@@ -13,9 +13,9 @@ from collections.abc import Iterator, Sequence
 from rich.console import Console
 from rich.text import Text
 
+from qkv._format import number
+from qkv.check._findings import Finding, ReportData
 from qkv.check._layout import MARKS, SYMBOLS, columns, heading, status_line, summary
-from qkv.check._report import Finding, Report
-from qkv.render._format import number
 
 __all__ = ["print_report", "text"]
 
@@ -25,7 +25,7 @@ _INDENT = "  "
 _GAP = 3
 
 
-def text(report: Report, *, width: int = 80) -> str:
+def text(report: ReportData, *, width: int = 80) -> str:
     """The report as plain text, no line longer than ``width``.
 
     Raises:
@@ -45,7 +45,7 @@ def text(report: Report, *, width: int = 80) -> str:
     return "\n".join(line.plain.rstrip() for line in _lines(report, width)) + "\n"
 
 
-def print_report(report: Report, console: Console | None = None) -> None:
+def print_report(report: ReportData, console: Console | None = None) -> None:
     """Print the report: in colour on a terminal, plain text into a file or a pipe."""
     console = console or Console(highlight=False, emoji=False, markup=False)
     width = max(console.width, 40)
@@ -79,7 +79,7 @@ def _rule(title: str, width: int, mark: str = "") -> Iterator[Text]:
     yield line
 
 
-def _lines(report: Report, width: int) -> Iterator[Text]:
+def _lines(report: ReportData, width: int) -> Iterator[Text]:
     title = f"qkv check: {report.name}"
     if report.source:
         title += f" ({report.source})"
@@ -104,7 +104,7 @@ def _lines(report: Report, width: int) -> Iterator[Text]:
             yield from _wrap(sentence, width, indent="")
 
 
-def _finding(finding: Finding, report: Report, width: int) -> Iterator[Text]:
+def _finding(finding: Finding, report: ReportData, width: int) -> Iterator[Text]:
     symbol = SYMBOLS[finding.status]
     style = _STYLES[finding.status]
     head = f"{symbol} {status_line(finding, report)}"
@@ -129,7 +129,7 @@ def _cells(finding: Finding) -> tuple[list[str], list[str]]:
     return printed, correct
 
 
-def _grid(finding: Finding, report: Report, width: int) -> Iterator[Text]:
+def _grid(finding: Finding, report: ReportData, width: int) -> Iterator[Text]:
     """The printed and the correct numbers, column under column, split to fit the width."""
     labels = columns(finding, report)
     printed, correct = _cells(finding)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from qkv.check._diagnose import Candidate
+from qkv._format import number
 from qkv.check._pipeline import (
     NOT_SUMMED,
     SCALED_BY_DK,
@@ -17,37 +17,16 @@ from qkv.check._pipeline import (
     UNSCALED,
     WRONG_AXIS,
     WRONG_QUERY,
+    Candidate,
     Setup,
     Values,
     row_of,
 )
 from qkv.examples._model import decimals_of
-from qkv.render._format import number
+from qkv.steps import WORDS
 
 __all__ = ["Words"]
 
-NOUNS = {
-    "Q": ("query vector", "query vectors"),
-    "K": ("key vector", "key vectors"),
-    "V": ("value vector", "value vectors"),
-    "scores": ("attention scores", "attention scores"),
-    "scaled": ("scaled scores", "scaled scores"),
-    "weights": ("attention weights", "attention weights"),
-    "context": ("context vector", "context vectors"),
-    "output": ("output", "outputs"),
-}
-"""How a row of each step is called, for one token and for several."""
-
-_SUBJECTS = {
-    "Q": "This query vector comes",
-    "K": "This key vector comes",
-    "V": "This value vector comes",
-    "scores": "These scores come",
-    "scaled": "These scaled scores come",
-    "weights": "These weights come",
-    "context": "This context vector comes",
-    "output": "This output comes",
-}
 _INPUTS = {
     "scores": ("Q", "K"),
     "scaled": ("scores",),
@@ -62,6 +41,15 @@ _MAX_TERMS = 8  # a weighted sum with more terms is written Σ_j w_j·v_j
 def vector(values: Sequence[float] | np.ndarray, decimals: int) -> str:
     """``[0.50, 0.80]``."""
     return "[" + ", ".join(number(float(v), decimals) for v in values) + "]"
+
+
+def _subject(step: str) -> str:
+    """How a sentence about one row of ``step`` starts: ``This query vector comes``,
+    ``These weights come``."""
+    words = WORDS[step]
+    if words.countable:
+        return f"This {words.singular} comes"
+    return f"These {words.short or words.plural} come"
 
 
 def _before_period(sentence: str, insert: str) -> str:
@@ -131,7 +119,7 @@ class Words:
 
     def from_printed(self, step: str) -> str:
         """``"the printed attention weights and value vectors"``."""
-        nouns = [NOUNS[s][1] for s in self.printed_inputs(step)]
+        nouns = [WORDS[s].noun(2) for s in self.printed_inputs(step)]
         if len(nouns) > 1 and all(n.endswith(" vectors") for n in nouns):
             return "the printed " + _and([n.removesuffix(" vectors") for n in nouns]) + " vectors"
         return "the printed " + _and(nouns)
@@ -161,7 +149,7 @@ class Words:
         row = vector(row_of(self.correct, step, t), decimals)
         if step in ("Q", "K", "V"):
             letter = step.lower()
-            noun = NOUNS[step][0]
+            noun = WORDS[step].noun(1)
             return (
                 f"The {noun} of {who} is its embedding times W_{letter}: "
                 f"{letter}_{s} = x_{s}·W_{letter} = {row}."
@@ -290,7 +278,7 @@ class Words:
                 f"This is the query vector of {self.label(slip.query)}, x_{o}·W_q, not that "
                 f"of {who}."
             )
-        return f"{_SUBJECTS[step]} from {self._slip_phrase(t, candidate)}."
+        return f"{_subject(step)} from {self._slip_phrase(t, candidate)}."
 
     def _not_summed(self, t: int, candidate: Candidate, decimals: int, printed: bool) -> str:
         slip = candidate.slip
@@ -360,8 +348,7 @@ class Words:
             by_step.setdefault(cause_step, []).append(row)
         parts = []
         for cause_step, rows in by_step.items():
-            singular, plural = NOUNS[cause_step]
-            noun = singular if len(rows) == 1 else plural
+            noun = WORDS[cause_step].noun(len(rows))
             parts.append(f"the wrong {noun} of {_and([self.label(r) for r in rows])}")
         return (
             f"Follows from {_and(parts)}: this step, done right on {self.from_printed(step)}, "

@@ -14,6 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from qkv._train_settings import (
+    CLASSIFY_TRAINING,
+    RECALL_TRAINING,
+    ClassifySettings,
+    RecallSettings,
+    TrainSettings,
+)
 from qkv.cli._common import (
     Command,
     CommandError,
@@ -45,8 +52,23 @@ def fraction(low: float, high: float, *, open_low: bool = True) -> Callable[[str
     return parse
 
 
-def _common(parser: argparse.ArgumentParser, task: str) -> None:
-    from_defaults = {"recall": "2000 steps, eval every 50", "classify": "1500 steps, eval every 50"}
+def shown(value: object) -> str:
+    """A default as the help shows it: ``3e-3``, ``0.01``, ``64``, ``text``."""
+    if isinstance(value, float) and value and abs(value) < 0.01:
+        mantissa, exponent = f"{value:e}".split("e")
+        return f"{float(mantissa):g}e{int(exponent)}"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def _common(
+    parser: argparse.ArgumentParser,
+    task: str,
+    defaults: RecallSettings | ClassifySettings,
+    train: TrainSettings,
+) -> None:
+    """The options of the run and of the training, with the task's defaults."""
     run = parser.add_argument_group("the run")
     run.add_argument(
         "--out",
@@ -61,7 +83,9 @@ def _common(parser: argparse.ArgumentParser, task: str) -> None:
         help="continue the run in --out from its last checkpoint, exactly as it would have "
         "gone on (its model, data and seed are kept)",
     )
-    run.add_argument("--seed", type=int_in_range(0), metavar="N", help="random seed (default 0)")
+    run.add_argument(
+        "--seed", type=int_in_range(0), metavar="N", help=f"random seed (default {defaults.seed})"
+    )
     run.add_argument(
         "--threads",
         type=int_in_range(1),
@@ -69,21 +93,34 @@ def _common(parser: argparse.ArgumentParser, task: str) -> None:
         help="CPU threads for PyTorch (default: PyTorch's; results repeat for the same N)",
     )
     run.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
-    training = parser.add_argument_group(f"training (default: {from_defaults[task]})")
+    training = parser.add_argument_group(
+        f"training (default: {train.steps} steps, eval every {train.eval_every})"
+    )
     training.add_argument("--steps", type=int_in_range(1), metavar="N", help="optimizer steps")
     training.add_argument(
-        "--lr", type=fraction(0.0, 10.0), metavar="LR", help="AdamW's learning rate (3e-3)"
+        "--lr",
+        type=fraction(0.0, 10.0),
+        metavar="LR",
+        help=f"AdamW's learning rate ({shown(train.lr)})",
     )
     training.add_argument(
         "--weight-decay",
         type=fraction(0.0, 10.0, open_low=False),
         metavar="WD",
-        help="AdamW's weight decay on the linear layers' weights (0.01)",
+        help=f"AdamW's weight decay on the linear layers' weights ({shown(train.weight_decay)})",
     )
     training.add_argument(
-        "--warmup", type=int_in_range(0), metavar="N", help="steps of learning-rate warm-up (0)"
+        "--warmup",
+        type=int_in_range(0),
+        metavar="N",
+        help=f"steps of learning-rate warm-up ({train.warmup})",
     )
-    training.add_argument("--batch-size", type=int_in_range(1), metavar="B", help="batch size")
+    training.add_argument(
+        "--batch-size",
+        type=int_in_range(1),
+        metavar="B",
+        help=f"batch size ({defaults.batch_size})",
+    )
     training.add_argument(
         "--eval-every",
         type=int_in_range(1),
@@ -94,7 +131,8 @@ def _common(parser: argparse.ArgumentParser, task: str) -> None:
         "--patience",
         type=int_in_range(0),
         metavar="N",
-        help="stop after N evaluations without a better validation accuracy (10; 0: never)",
+        help=f"stop after N evaluations without a better validation accuracy "
+        f"({train.patience or 0}; 0: never)",
     )
     training.add_argument(
         "--target-accuracy",
@@ -105,20 +143,39 @@ def _common(parser: argparse.ArgumentParser, task: str) -> None:
 
 
 def _configure_recall(parser: argparse.ArgumentParser) -> None:
+    d = RecallSettings()
     data = parser.add_argument_group("the sequences")
-    data.add_argument("--pairs", type=int_in_range(1), metavar="P", help="key-value pairs (8)")
-    data.add_argument("--keys", type=int_in_range(1), metavar="K", help="key tokens (26: a..z)")
-    data.add_argument("--values", type=int_in_range(2), metavar="V", help="value tokens (10: 0..9)")
+    data.add_argument(
+        "--pairs", type=int_in_range(1), metavar="P", help=f"key-value pairs ({d.pairs})"
+    )
+    data.add_argument(
+        "--keys",
+        type=int_in_range(1),
+        metavar="K",
+        help=f"key tokens ({d.keys}: a..{chr(ord('a') + d.keys - 1)})",
+    )
+    data.add_argument(
+        "--values",
+        type=int_in_range(2),
+        metavar="V",
+        help=f"value tokens ({d.values}: 0..{d.values - 1})",
+    )
     data.add_argument(
         "--validation-size",
         type=int_in_range(1),
         metavar="N",
-        help="held-out sequences to measure accuracy on (2000)",
+        help=f"held-out sequences to measure accuracy on ({d.validation_size})",
     )
     model = parser.add_argument_group("the model")
-    model.add_argument("--d-model", type=int_in_range(2), metavar="E", help="model width (64)")
-    model.add_argument("--heads", type=int_in_range(1), metavar="H", help="attention heads (4)")
-    model.add_argument("--layers", type=int_in_range(1), metavar="N", help="transformer blocks (1)")
+    model.add_argument(
+        "--d-model", type=int_in_range(2), metavar="E", help=f"model width ({d.d_model})"
+    )
+    model.add_argument(
+        "--heads", type=int_in_range(1), metavar="H", help=f"attention heads ({d.num_heads})"
+    )
+    model.add_argument(
+        "--layers", type=int_in_range(1), metavar="N", help=f"transformer blocks ({d.layers})"
+    )
     model.add_argument(
         "--no-next-token",
         action="store_const",
@@ -128,12 +185,16 @@ def _configure_recall(parser: argparse.ArgumentParser) -> None:
         "its key (use --layers 2; it sits on a long plateau: see docs/training.md)",
     )
     model.add_argument(
-        "--dropout", type=fraction(0.0, 0.99, open_low=False), metavar="P", help="dropout (0)"
+        "--dropout",
+        type=fraction(0.0, 0.99, open_low=False),
+        metavar="P",
+        help=f"dropout ({shown(d.dropout)})",
     )
-    _common(parser, "recall")
+    _common(parser, "recall", d, RECALL_TRAINING)
 
 
 def _configure_classify(parser: argparse.ArgumentParser) -> None:
+    d = ClassifySettings()
     data = parser.add_argument_group("the data")
     data.add_argument(
         "--data",
@@ -142,8 +203,12 @@ def _configure_classify(parser: argparse.ArgumentParser) -> None:
         help="a .csv, .tsv or .jsonl file of labelled texts, or 'generated': the sentiment "
         "set qkv makes, whose labels depend on word order (the default)",
     )
-    data.add_argument("--text-column", metavar="C", help="the column of the texts (text)")
-    data.add_argument("--label-column", metavar="C", help="the column of the labels (label)")
+    data.add_argument(
+        "--text-column", metavar="C", help=f"the column of the texts ({d.text_column})"
+    )
+    data.add_argument(
+        "--label-column", metavar="C", help=f"the column of the labels ({d.label_column})"
+    )
     data.add_argument(
         "--group-column",
         metavar="C",
@@ -153,16 +218,19 @@ def _configure_classify(parser: argparse.ArgumentParser) -> None:
         "--sentences",
         type=int_in_range(2),
         metavar="N",
-        help="with --data generated: how many sentences (2000)",
+        help=f"with --data generated: how many sentences ({d.sentences})",
     )
     data.add_argument(
         "--validation",
         type=fraction(0.0, 0.99),
         metavar="F",
-        help="the share of rows held out for validation (0.2)",
+        help=f"the share of rows held out for validation ({shown(d.validation)})",
     )
     data.add_argument(
-        "--max-length", type=int_in_range(1), metavar="N", help="tokens kept per text (64)"
+        "--max-length",
+        type=int_in_range(1),
+        metavar="N",
+        help=f"tokens kept per text ({d.max_length})",
     )
     data.add_argument(
         "--keep-case",
@@ -175,14 +243,14 @@ def _configure_classify(parser: argparse.ArgumentParser) -> None:
         "--min-count",
         type=int_in_range(1),
         metavar="N",
-        help="words seen fewer times in training become <unk> (1)",
+        help=f"words seen fewer times in training become <unk> ({d.min_count})",
     )
     model = parser.add_argument_group("the model")
     model.add_argument(
         "--model",
         choices=("attention", "bag-of-words"),
-        help="attention (self-attention + attention pooling; the default) or bag-of-words "
-        "(the mean of the embeddings: the baseline that ignores order)",
+        help="attention (self-attention + attention pooling) or bag-of-words (the mean of "
+        f"the embeddings: the baseline that ignores order); default: {d.model}",
     )
     model.add_argument(
         "--embeddings",
@@ -210,13 +278,18 @@ def _configure_classify(parser: argparse.ArgumentParser) -> None:
         "--embedding-dim",
         type=int_in_range(2),
         metavar="E",
-        help="embedding width without --embeddings (32)",
+        help=f"embedding width without --embeddings ({d.embedding_dim})",
     )
-    model.add_argument("--heads", type=int_in_range(1), metavar="H", help="attention heads (2)")
     model.add_argument(
-        "--dropout", type=fraction(0.0, 0.99, open_low=False), metavar="P", help="dropout (0.1)"
+        "--heads", type=int_in_range(1), metavar="H", help=f"attention heads ({d.num_heads})"
     )
-    _common(parser, "classify")
+    model.add_argument(
+        "--dropout",
+        type=fraction(0.0, 0.99, open_low=False),
+        metavar="P",
+        help=f"dropout ({shown(d.dropout)})",
+    )
+    _common(parser, "classify", d, CLASSIFY_TRAINING)
 
 
 _RECALL_EXAMPLES = (

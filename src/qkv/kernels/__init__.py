@@ -15,7 +15,7 @@ choice (:func:`qkv.explain_dispatch`). This package needs PyTorch (``pip install
 
 from qkv.kernels._api import as_score_mod, huge_bias, tiled_attention
 from qkv.kernels._blocks import BlockPlan, plan_blocks
-from qkv.kernels._sdpa import dense_mask_elements, sdpa_attention
+from qkv.kernels._torch_sdpa import dense_mask_elements, sdpa_attention
 
 __all__ = [
     "BlockPlan",

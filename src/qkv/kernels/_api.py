@@ -10,10 +10,10 @@ import torch
 
 from qkv.kernels._blocks import plan_blocks
 from qkv.kernels._tiled import Problem, tiled_function
-from qkv.masks import Mask, ScoreMod, causal, draw_seed, dropout_keep
+from qkv.masks import Mask, ScoreMod, draw_seed, dropout_keep, with_causal
 from qkv.masks._scores import as_score_mod
 
-__all__ = ["HUGE_BIAS", "as_score_mod", "huge_bias", "tiled_attention"]
+__all__ = ["HUGE_BIAS", "as_score_mod", "huge_bias", "run_tiled", "tiled_attention"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -76,21 +76,57 @@ def tiled_attention(
         True
     """
     _check(query, key, value)
-    batch, heads, q_len, dim = query.shape
+    return run_tiled(
+        query,
+        key,
+        value,
+        rule=with_causal(mask if isinstance(mask, Mask) else None, is_causal, causal_alignment),
+        dense_mask=None if mask is None or isinstance(mask, Mask) else _four_dims(mask, "mask"),
+        bias=None if bias is None else _four_dims(bias, "bias"),
+        score_mod=as_score_mod(score_mod),
+        scale=1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale),
+        dropout_p=float(dropout_p),
+        seed=draw_seed(generator, torch_inputs=True) if dropout_p > 0 else None,
+        return_lse=return_lse,
+        block_q=block_q,
+        block_kv=block_kv,
+        skip_blocks=skip_blocks,
+    )
+
+
+def run_tiled(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    rule: Mask | None,
+    dense_mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    score_mod: ScoreMod | None,
+    scale: float,
+    dropout_p: float,
+    seed: int | None,
+    return_lse: bool = False,
+    block_q: int | None = None,
+    block_kv: int | None = None,
+    skip_blocks: bool = True,
+) -> Any:
+    """The tiled kernel on checked 4-D inputs, with the options resolved to numbers.
+
+    What :func:`tiled_attention` and the dispatcher's ``tiled`` backend both run: ``rule``
+    already holds the causal rule (:func:`qkv.masks.with_causal`), ``dense_mask`` and
+    ``bias`` have 4 dimensions broadcastable to (B, H, Lq, Lk), ``scale`` is a number and
+    ``seed`` the dropout seed (None without dropout).
+    """
+    batch, heads, q_len, _ = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     dtype = query.dtype
     if batch == 0 or heads == 0:  # nothing to compute: an empty result, as torch gives
         return _empty(query, key, value, bias, return_lse)
     compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     q, k, v = (x.to(compute).contiguous() for x in (query, key, value))
-
-    rule = mask if isinstance(mask, Mask) else None
-    dense = None if mask is None or isinstance(mask, Mask) else _four_dims(mask, "mask")
-    if is_causal:
-        rule = causal(causal_alignment) if rule is None else rule & causal(causal_alignment)  # type: ignore[arg-type]
-    if bias is not None:
-        bias = _four_dims(bias, "bias")
-        bias = bias.to(compute) if bias.dtype != compute else bias
+    if bias is not None and bias.dtype != compute:
+        bias = bias.to(compute)
     plan = plan_blocks(
         rule,
         batch=batch,
@@ -101,25 +137,29 @@ def tiled_attention(
         block_q=block_q,
         block_kv=block_kv,
         skip=skip_blocks,
-        dense_mask=dense is not None,
+        dense_mask=dense_mask is not None,
     )
     keep = None
-    if dropout_p > 0:
-        keep = dropout_keep(dropout_p, draw_seed(generator, torch_inputs=True))
-    masked = rule is not None or dense is not None
+    if dropout_p > 0 and seed is not None:
+        keep = dropout_keep(dropout_p, seed)
+    masked = rule is not None or dense_mask is not None
     exact = masked and (score_mod is not None or not _all_finite(q, k, bias))
     huge = bias is not None and huge_bias(bias)
+    # A −inf bias (or a score modifier, which may return −inf) masks keys out: their weights
+    # must be exactly 0. Checked once per call; the no-bias path never pays for it.
+    blocked = score_mod is not None or (bias is not None and _holds_neg_inf(bias))
     problem = Problem(
-        scale=1.0 / math.sqrt(dim) if scale is None else float(scale),
+        scale=scale,
         rule=rule,
-        dense_mask=dense,
-        score_mod=as_score_mod(score_mod),
-        dropout_p=float(dropout_p),
+        dense_mask=dense_mask,
+        score_mod=score_mod,
+        dropout_p=dropout_p,
         keep=keep,
         plan=plan,
         skip=skip_blocks,
         exact_masking=exact,
         huge=huge,
+        blocked_scores=blocked,
     )
     out, lse = tiled_function(q, k, v, bias, problem)
     out = out.to(dtype)
@@ -169,6 +209,12 @@ def _all_finite(*tensors: torch.Tensor | None) -> bool:
         if t is not None and not math.isfinite(summed) and not bool(torch.isfinite(t).all()):
             return False
     return True
+
+
+def _holds_neg_inf(bias: torch.Tensor) -> bool:
+    """Whether ``bias`` has a −inf entry (one pass when its sum is finite)."""
+    with torch.no_grad():
+        return not _all_finite(bias) and bool(torch.isneginf(bias).any())
 
 
 def _four_dims(x: torch.Tensor, name: str) -> torch.Tensor:

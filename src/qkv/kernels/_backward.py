@@ -71,7 +71,7 @@ def attention_backward(
         shared_bias_grad = torch.zeros(bias.shape, dtype=q.dtype, device=q.device)
     # A bias broadcast along the keys gets contributions from every key block: one each.
     private_bias = shared_bias_grad is not None and shared_bias_grad.shape[3] == 1
-    special = nonfinite(v) if problem.masked else None
+    special = nonfinite(v) if problem.masks_keys else None
     if problem.exact_masking:
         # A NaN query or key at a masked position has dS = 0 there, but 0 · NaN is NaN in
         # dQ = dS·K and dK = dSᵀ·Q: compute with the non-finite entries replaced by 0.

@@ -56,6 +56,9 @@ class Problem:
             from its log-sum log l (m + log l loses log l when |m| is huge).
         row_shift: the backward pass of a ``huge`` call: each row's m, (B, H, Lq, 1),
             subtracted from the biased scores before exp(S' − m − log l).
+        blocked_scores: an allowed score may be −inf (a −inf bias, a score modifier): such a
+            key is masked out, so its weight must be exactly 0 (not the floor's tiny
+            positive weight) and a NaN or ±inf value there must not reach the output.
     """
 
     scale: float
@@ -69,6 +72,7 @@ class Problem:
     exact_masking: bool = False
     huge: bool = False
     row_shift: torch.Tensor | None = None
+    blocked_scores: bool = False
 
     @property
     def base2(self) -> bool:
@@ -85,6 +89,12 @@ class Problem:
     @property
     def masked(self) -> bool:
         return self.rule is not None or self.dense_mask is not None
+
+    @property
+    def masks_keys(self) -> bool:
+        """Whether some key may get weight 0 (a mask, or a −inf score): then a NaN or ±inf
+        value must be kept out of the matrix products."""
+        return self.masked or self.blocked_scores
 
 
 class Buffers:
@@ -239,6 +249,7 @@ class BlockScores:
         ones: 1 where allowed and 0 where masked, broadcastable to ``shape4``; None when the
             whole block is allowed.
         raw: the scores before the score modifier, when its gradient is needed.
+        blocked: a score may be −inf where the mask allows it (``Problem.blocked_scores``).
     """
 
     values: torch.Tensor
@@ -246,6 +257,7 @@ class BlockScores:
     base2: bool
     ones: torch.Tensor | None = None
     raw: torch.Tensor | None = None
+    blocked: bool = False
 
     def exp_(self, shift: torch.Tensor, values: torch.Tensor | None = None) -> torch.Tensor:
         """exp(values − shift) (exp2 in log2 units), in place, with exact zeros where masked.
@@ -270,12 +282,16 @@ class BlockScores:
 
     def _exp_(self, x: torch.Tensor, floor: float | None) -> torch.Tensor:
         """exp(x) in place; with a floor, x is first raised to it and masked weights (no
-        longer exp(−inf) = 0) are then set to 0."""
+        longer exp(−inf) = 0) are then set to 0, as are the weights of −inf scores when the
+        block may hold them (a −inf bias is a mask: weight exactly 0, as in the reference)."""
+        dead = x == NEG_INF if floor is not None and self.blocked else None
         if floor is not None:
             x.clamp_(min=floor)
         weights = x.exp2_() if self.base2 else x.exp_()
         if floor is not None and self.ones is not None:
             weights.view(self.shape4).mul_(self.ones)
+        if dead is not None:
+            weights.masked_fill_(dead, 0.0)
         return weights
 
 
@@ -324,13 +340,13 @@ def block_scores(
             if allowed is not None:
                 modified = modified.masked_fill(allowed.logical_not(), NEG_INF)
             values = modified.reshape(scores.shape)
-        return BlockScores(values, shape4, problem.base2, ones, raw)
+        return BlockScores(values, shape4, problem.base2, ones, raw, problem.blocked_scores)
     if allowed is not None and ones is not None:
         if problem.exact_masking:  # a masked score may be NaN: overwrite it
             view.masked_fill_(allowed.logical_not(), NEG_INF)
         else:  # adding 0 / −inf is many times faster than masked_fill on CPUs
             view.add_((ones - 1).div_(ones))
-    return BlockScores(scores, shape4, problem.base2, ones)
+    return BlockScores(scores, shape4, problem.base2, ones, blocked=problem.blocked_scores)
 
 
 def dropout_block(

@@ -57,7 +57,7 @@ def attention_forward(
     grouped_lse = lse.view(batch, kv_heads, heads // kv_heads, q_len)
     maxima = torch.empty_like(lse) if problem.huge else None
     grouped_max = None if maxima is None else maxima.view(grouped_lse.shape)
-    special = nonfinite(v) if problem.masked else None
+    special = nonfinite(v) if problem.masks_keys else None
     tasks: list[tuple[int, Callable[[Buffers], None]]] = []
     for group in split_groups(q, k, v, bias, problem):
         index = Indices(group, heads, q_len, kv_len)

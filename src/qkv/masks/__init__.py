@@ -48,6 +48,7 @@ from qkv.masks._builtin import (
     key_padding,
     prefix_lm,
     sliding_window,
+    with_causal,
 )
 from qkv.masks._convert import from_additive, from_ignore, to_additive
 from qkv.masks._dropout import draw_seed, dropout_keep
@@ -62,7 +63,7 @@ from qkv.masks._rules import (
     Rule,
     check_alignment,
 )
-from qkv.masks._scores import ScoreMod, alibi, score_function, softcap
+from qkv.masks._scores import ScoreMod, alibi, alibi_slopes, score_function, softcap
 
 __all__ = [
     "ALIGNMENTS",
@@ -75,6 +76,7 @@ __all__ = [
     "Rule",
     "ScoreMod",
     "alibi",
+    "alibi_slopes",
     "causal",
     "check_alignment",
     "document",
@@ -90,4 +92,5 @@ __all__ = [
     "sliding_window",
     "softcap",
     "to_additive",
+    "with_causal",
 ]

@@ -45,6 +45,23 @@ def causal(alignment: Alignment = "top-left") -> Mask:
     )
 
 
+def with_causal(mask: Mask | None, is_causal: bool, alignment: str = "top-left") -> Mask | None:
+    """``mask & causal(alignment)`` when ``is_causal`` (the causal rule alone without a mask),
+    else ``mask``: the one place where qkv combines a mask rule with ``is_causal=True``.
+
+    Example:
+        >>> with_causal(key_padding([2]), True)
+        key_padding([2]) & causal('top-left')
+        >>> with_causal(None, False) is None
+        True
+    """
+    if not is_causal:
+        return mask
+    check_alignment(alignment)
+    rule = causal("bottom-right" if alignment == "bottom-right" else "top-left")
+    return rule if mask is None else mask & rule
+
+
 def sliding_window(before: int, after: int = 0, *, alignment: Alignment = "top-left") -> Mask:
     """Local attention: query i sees keys i − before … i + after (after causal alignment).
 

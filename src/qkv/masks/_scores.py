@@ -12,6 +12,8 @@ from qkv.masks._rules import Alignment, check_alignment, diagonal_offset
 
 # (score, b, h, q_idx, kv_idx, q_len, kv_len, xp) -> score, elementwise.
 ScoreRule = Callable[[Array, Array, Array, Array, Array, int, int, Any], Array]
+# (heads, q_len, kv_len, xp, device, dtype) -> the additive (H, Lq, Lk) array.
+DenseBias = Callable[[int, int, int, Any, Any, Any], Array]
 
 
 class ScoreMod:
@@ -23,11 +25,40 @@ class ScoreMod:
     Args:
         rule: ``(score, b, h, q_idx, kv_idx, q_len, kv_len, xp) -> score``, elementwise.
         description: the repr, e.g. ``"softcap(30.0)"``.
+        dense_bias: for a modifier that only adds a number to each score (ALiBi):
+            ``(heads, q_len, kv_len, xp, device, dtype) -> (H, Lq, Lk)``, the same numbers
+            as one additive array (see :meth:`as_bias`).
     """
 
-    def __init__(self, rule: ScoreRule, description: str) -> None:
+    def __init__(
+        self, rule: ScoreRule, description: str, *, dense_bias: DenseBias | None = None
+    ) -> None:
         self._rule = rule
         self._description = description
+        self._dense_bias = dense_bias
+
+    @property
+    def additive(self) -> bool:
+        """Whether the modifier adds a number that depends only on the position (ALiBi):
+        it can then be given as an additive ``bias`` array instead (:meth:`as_bias`)."""
+        return self._dense_bias is not None
+
+    def as_bias(
+        self, heads: int, q_len: int, kv_len: int, *, xp: Any, device: Any = None, dtype: Any
+    ) -> Array:
+        """The additive (H, Lq, Lk) array of an :attr:`additive` modifier.
+
+        Example:
+            >>> import numpy as np
+            >>> alibi([0.5]).as_bias(1, 1, 3, xp=np, dtype=np.float64)
+            array([[[-1. , -0.5,  0. ]]])
+        """
+        if self._dense_bias is None:
+            raise TypeError(
+                f"{self!r} is not additive, so it has no bias array. Hint: pass it as "
+                "score_mod=..., which every backend but sdpa takes."
+            )
+        return self._dense_bias(heads, q_len, kv_len, xp, device, dtype)
 
     def __repr__(self) -> str:
         return self._description
@@ -97,6 +128,42 @@ def as_score_mod(score_mod: ScoreMod | Callable[..., Any] | None) -> ScoreMod | 
     )
 
 
+def alibi_slopes(num_heads: int) -> list[float]:
+    """The ALiBi slope m_h of each head: a geometric sequence, 2^(−8/H), 2^(−16/H), ...
+
+    For a power of two H the slopes are ``2^(−8·(h+1)/H)``. For other head counts (as in the
+    paper's reference code) the slopes of the largest power of two n < H come first, followed
+    by every other slope of 2n, so that the slopes stay spread between 0 and 1.
+
+    Args:
+        num_heads: H ≥ 1.
+
+    Returns:
+        H floats, the slope of head 0 first (the steepest).
+
+    Example:
+        >>> alibi_slopes(8)[:3]
+        [0.5, 0.25, 0.125]
+        >>> [round(m, 4) for m in alibi_slopes(6)]
+        [0.25, 0.0625, 0.0156, 0.0039, 0.5, 0.125]
+    """
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(
+            f"num_heads must be a positive integer, got {num_heads!r}. "
+            "Hint: ALiBi gives each attention head its own slope, e.g. alibi_slopes(8)."
+        )
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (h + 1) for h in range(n)]
+
+    closest = 1 << (num_heads.bit_length() - 1)  # the largest power of two ≤ H
+    slopes = power_of_two(closest)
+    if closest < num_heads:
+        slopes += power_of_two(2 * closest)[0::2][: num_heads - closest]
+    return slopes
+
+
 def alibi(slopes: int | Sequence[float], *, alignment: Alignment = "bottom-right") -> ScoreMod:
     """ALiBi (Press et al. 2022) as a score modifier: ``score − m_h · |(i + offset) − j|``.
 
@@ -104,7 +171,7 @@ def alibi(slopes: int | Sequence[float], *, alignment: Alignment = "bottom-right
     of as an (H, Lq, Lk) array.
 
     Args:
-        slopes: the number of heads H (slopes from :func:`qkv.positional.alibi_slopes`), or
+        slopes: the number of heads H (slopes from :func:`alibi_slopes`), or
             one slope m_h per head.
         alignment: where query 0 sits among the keys: ``"bottom-right"`` (offset Lk − Lq,
             the queries are the last positions, as with a KV cache; the default, as in
@@ -120,8 +187,6 @@ def alibi(slopes: int | Sequence[float], *, alignment: Alignment = "bottom-right
     """
     check_alignment(alignment)
     if isinstance(slopes, int):
-        from qkv.positional import alibi_slopes
-
         values = alibi_slopes(slopes)
     else:
         values = [float(m) for m in slopes]
@@ -142,7 +207,35 @@ def alibi(slopes: int | Sequence[float], *, alignment: Alignment = "bottom-right
         distance = xp.abs(q + diagonal_offset(alignment, lq, lk) - kv)
         return s - slope * xp.astype(distance, s.dtype)
 
-    return ScoreMod(rule, f"alibi({_short(values)}, alignment={alignment!r})")
+    def dense(heads: int, lq: int, lk: int, xp: Any, device: Any, dtype: Any) -> Array:
+        if heads > len(values):
+            raise ValueError(
+                f"alibi has {len(values)} slopes but the scores have {heads} heads. "
+                "Hint: give one slope per query head, e.g. alibi(num_heads)."
+            )
+        offset = diagonal_offset(alignment, lq, lk)
+        return alibi_table(values[:heads], lq, lk, offset, xp=xp, device=device, dtype=dtype)
+
+    return ScoreMod(rule, f"alibi({_short(values)}, alignment={alignment!r})", dense_bias=dense)
+
+
+def alibi_table(
+    slopes: Sequence[float],
+    q_len: int,
+    kv_len: int,
+    offset: int,
+    *,
+    xp: Any,
+    device: Any,
+    dtype: Any,
+) -> Array:
+    """``−m_h · |(i + offset) − j|`` as an (H, Lq, Lk) array (what
+    :func:`qkv.positional.alibi_bias` returns; checked arguments)."""
+    query_pos = xp.reshape(xp.arange(q_len, device=device), (1, q_len, 1)) + offset
+    key_pos = xp.reshape(xp.arange(kv_len, device=device), (1, 1, kv_len))
+    distance = xp.astype(-xp.abs(query_pos - key_pos), dtype)  # −|i − j|: (1, Lq, Lk)
+    m = xp.reshape(xp.asarray(list(slopes), dtype=dtype, device=device), (len(slopes), 1, 1))
+    return m * distance  # (H, Lq, Lk)
 
 
 def softcap(cap: float) -> ScoreMod:

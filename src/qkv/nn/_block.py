@@ -13,10 +13,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from qkv import positional as pos
 from qkv.masks import Mask
 from qkv.nn._cache import KVCache
 from qkv.nn._mha import MultiHeadAttention
+from qkv.positional import ALiBi, RoPE
 
 __all__ = ["TransformerBlock"]
 
@@ -48,7 +48,7 @@ class TransformerBlock(nn.Module):
         mlp_dim: int | None = None,
         dropout: float = 0.0,
         bias: bool = True,
-        positional: str | pos.RoPE | pos.ALiBi | None = None,
+        positional: str | RoPE | ALiBi | None = None,
     ) -> None:
         super().__init__()
         self.attn = MultiHeadAttention(

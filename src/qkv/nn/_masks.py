@@ -1,7 +1,12 @@
 """The mask a module hands to the core: the caller's mask, key padding, the cache's window.
 
 Shape legend: B batch, H heads, Lq query length, Lk key length (cached keys included).
-Every mask here is boolean, True = may attend.
+Every mask here is True = may attend. Key padding and the cache's window are
+:mod:`qkv.masks` rules, not arrays, so the tiled kernel still skips the blocks they leave
+empty (and knows the full ones); causality stays a flag for the core. Only a caller's own
+boolean tensor, and the extra key rows of ``torch.nn.MultiheadAttention``'s
+``add_bias_kv``/``add_zero_attn`` (appended after the sequence, always attended), make the
+mask a dense array.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from collections.abc import Sequence
 import array_api_compat.torch as xp_torch
 import torch
 
-from qkv.masks import Mask
+from qkv.masks import Mask, key_padding, sliding_window
 
 __all__ = ["MaskLike", "combine_masks"]
 
@@ -54,34 +59,66 @@ def combine_masks(
             f"mask must have shape (Lq, Lk) or (B, H, Lq, Lk) (H may be 1); got "
             f"{tuple(mask.shape)}. Hint: a (B, Lq, Lk) mask becomes mask[:, None]."
         )
-    parts: list[torch.Tensor] = []
-    if lengths is not None:
-        parts.append(_padding(lengths, batch, lk, device))  # (B, 1, 1, Lk)
-    if window is not None and lk > window:  # some key is too old for some query
-        parts.append(_window(lq, lk, window, device))  # (Lq, Lk)
+    given = None if lengths is None else _lengths(lengths, batch, lk, device)
     causal_flag = bool(is_causal)
-    if isinstance(mask, Mask) and (parts or extra):
-        mask = mask.dense(lq, lk, batch=batch, heads=heads, xp=xp_torch, device=device)
-    if extra and causal_flag:  # causal over the real keys only: a dense mask
-        parts.append(_causal(lq, lk, device))
-        causal_flag = False
-    if isinstance(mask, torch.Tensor):
-        parts.insert(0, mask)
-    allowed: MaskLike | None = mask if isinstance(mask, Mask) else None
-    for part in parts:
-        allowed = part if allowed is None else allowed & part  # type: ignore[operator]
-    if extra and allowed is not None:  # the extra rows from torch are always attended
-        assert isinstance(allowed, torch.Tensor)
-        allowed = allowed.expand(*allowed.shape[:-2], lq, lk)
-        pad = allowed.new_ones((*allowed.shape[:-1], extra))
-        allowed = torch.cat((allowed, pad), dim=-1)
+    if extra or isinstance(mask, torch.Tensor) or (given is not None and batch == 0):
+        dense = _dense(mask, given, causal_flag, window, batch, heads, lq, lk, extra, device)
+        return dense, causal_flag and not extra  # with extra rows, causality is in the mask
+    rules: list[Mask] = [] if mask is None else [mask]
+    if given is not None:
+        rules.append(key_padding(given.tolist()))
+    if window is not None and lk > window:  # some key is too old for some query
+        # query i (at key position i + Lk − Lq) sees keys from W − 1 before it on; the
+        # window has no right edge of its own (causality, if asked, is the core's).
+        rules.append(sliding_window(window - 1, lk, alignment="bottom-right"))
+    allowed: Mask | None = None
+    for rule in rules:
+        allowed = rule if allowed is None else allowed & rule
     return allowed, causal_flag
 
 
-def _padding(
+def _dense(
+    mask: MaskLike | None,
+    lengths: torch.Tensor | None,
+    causal: bool,
+    window: int | None,
+    batch: int,
+    heads: int,
+    lq: int,
+    lk: int,
+    extra: int,
+    device: torch.device,
+) -> MaskLike | None:
+    """The mask as one boolean tensor: with the caller's own tensor, or extra key rows (then
+    the causal rule over the real keys is part of it)."""
+    parts: list[torch.Tensor] = []
+    if lengths is not None:
+        parts.append(_padding(lengths, lk, device))  # (B, 1, 1, Lk)
+    if window is not None and lk > window:
+        parts.append(_window(lq, lk, window, device))  # (Lq, Lk)
+    if isinstance(mask, Mask) and (parts or extra):
+        mask = mask.dense(lq, lk, batch=batch, heads=heads, xp=xp_torch, device=device)
+    if extra and causal:  # causal over the real keys only: a dense mask
+        parts.append(_causal(lq, lk, device))
+    rule = mask if isinstance(mask, Mask) else None
+    if isinstance(mask, torch.Tensor):
+        parts.insert(0, mask)
+    allowed: torch.Tensor | None = None
+    for part in parts:
+        allowed = part if allowed is None else allowed & part
+    if allowed is None:
+        return rule
+    if extra:  # the extra rows from torch are always attended
+        allowed = allowed.expand(*allowed.shape[:-2], lq, lk)
+        pad = allowed.new_ones((*allowed.shape[:-1], extra))
+        allowed = torch.cat((allowed, pad), dim=-1)
+    return allowed
+
+
+def _lengths(
     lengths: torch.Tensor | Sequence[int], batch: int, lk: int, device: torch.device
 ) -> torch.Tensor:
-    """(B, 1, 1, Lk): True for the first lengths[b] keys of batch element b."""
+    """The key padding lengths, checked: (B,) integers between 0 and Lk."""
     given = torch.as_tensor(lengths, device=device)
     if given.shape != (batch,) or given.dtype.is_floating_point or given.dtype == torch.bool:
         raise ValueError(
@@ -95,6 +132,11 @@ def _padding(
             f"{given.tolist()}. Hint: each length counts the real (not padding) keys of its "
             "sequence, cached keys included; a longer one points past the end."
         )
+    return given
+
+
+def _padding(given: torch.Tensor, lk: int, device: torch.device) -> torch.Tensor:
+    """(B, 1, 1, Lk): True for the first lengths[b] keys of batch element b."""
     keys = torch.arange(lk, device=device)
     return (keys < given[:, None])[:, None, None, :]
 

@@ -16,26 +16,23 @@ fused kernel when nobody asks for the weights or a trace, the readable reference
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal, overload
+from typing import Literal, overload
 
-import array_api_compat.torch as xp_torch
 import torch
 from torch import nn
 
-from qkv import masks
-from qkv import positional as pos
 from qkv.attention import scaled_dot_product_attention
-from qkv.attention._heads import PROJECTION_TEXT
+from qkv.masks import alibi
 from qkv.nn._cache import KVCache
+from qkv.nn._inputs import check_inputs, divisors, positive
 from qkv.nn._masks import MaskLike, combine_masks
+from qkv.nn._torch import read_torch
+from qkv.positional import ALiBi, RoPE, alibi_slopes, apply_rope
+from qkv.positional import resolve as resolve_positional
+from qkv.steps import WORDS
 from qkv.trace import Trace, current_trace, suspended
 
 __all__ = ["MultiHeadAttention"]
-
-ALIBI_DENSE_LIMIT = 1 << 22
-"""ALiBi goes to the core as an (H, Lq, Lk) bias array (which PyTorch's fused kernel takes) up
-to this many elements, and as a score modifier (:func:`qkv.masks.alibi`, evaluated block by
-block by the tiled kernel) beyond."""
 
 
 class MultiHeadAttention(nn.Module):
@@ -88,30 +85,30 @@ class MultiHeadAttention(nn.Module):
         head_dim: int | None = None,
         bias: bool = True,
         dropout: float = 0.0,
-        positional: str | pos.RoPE | pos.ALiBi | None = None,
+        positional: str | RoPE | ALiBi | None = None,
     ) -> None:
         super().__init__()
-        embed_dim = _positive(embed_dim, "embed_dim", "the model width E, e.g. 512")
-        num_heads = _positive(num_heads, "num_heads", "e.g. 8")
+        embed_dim = positive(embed_dim, "embed_dim", "the model width E, e.g. 512")
+        num_heads = positive(num_heads, "num_heads", "e.g. 8")
         kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        kv_heads = _positive(kv_heads, "num_kv_heads", "1 is multi-query attention")
+        kv_heads = positive(kv_heads, "num_kv_heads", "1 is multi-query attention")
         if num_heads % kv_heads:
             raise ValueError(
                 f"num_kv_heads must divide num_heads: num_heads={num_heads}, "
                 f"num_kv_heads={kv_heads}. Hint: each key/value head serves num_heads / "
-                f"num_kv_heads query heads; valid: {_divisors(num_heads)}."
+                f"num_kv_heads query heads; valid: {divisors(num_heads)}."
             )
         if head_dim is None:
             if embed_dim % num_heads:
                 raise ValueError(
                     f"embed_dim must be divisible by num_heads when head_dim is not given: "
                     f"embed_dim={embed_dim}, num_heads={num_heads}. Hint: choose num_heads "
-                    f"among {_divisors(embed_dim)}, or pass head_dim=..."
+                    f"among {divisors(embed_dim)}, or pass head_dim=..."
                 )
             head_dim = embed_dim // num_heads
-        head_dim = _positive(head_dim, "head_dim", "the features per head, D")
-        kdim = embed_dim if kdim is None else _positive(kdim, "kdim", "the key input width")
-        vdim = embed_dim if vdim is None else _positive(vdim, "vdim", "the value input width")
+        head_dim = positive(head_dim, "head_dim", "the features per head, D")
+        kdim = embed_dim if kdim is None else positive(kdim, "kdim", "the key input width")
+        vdim = embed_dim if vdim is None else positive(vdim, "vdim", "the value input width")
         if (
             isinstance(dropout, bool)
             or not isinstance(dropout, int | float)
@@ -121,13 +118,13 @@ class MultiHeadAttention(nn.Module):
                 f"dropout must be a probability in [0, 1), got {dropout!r}. "
                 "Hint: dropout=0.1 drops one attention weight in ten while training."
             )
-        settings = pos.resolve(positional)
-        if isinstance(settings, pos.RoPE) and head_dim % 2:
+        settings = resolve_positional(positional)
+        if isinstance(settings, RoPE) and head_dim % 2:
             raise ValueError(
                 f"positional={positional!r} needs an even head_dim (RoPE rotates pairs of "
                 f"features), got head_dim={head_dim}. Hint: pass an even head_dim=..."
             )
-        slopes = settings.slopes if isinstance(settings, pos.ALiBi) else None
+        slopes = settings.slopes if isinstance(settings, ALiBi) else None
         if slopes is not None and len(slopes) != num_heads:
             raise ValueError(
                 f"ALiBi slopes must give one slope per head ({num_heads}), got "
@@ -207,9 +204,29 @@ class MultiHeadAttention(nn.Module):
             >>> torch.allclose(ours(x), theirs(x, x, x, need_weights=False)[0], atol=1e-6)
             True
         """
-        from qkv.nn._torch import convert
-
-        return convert(cls, module)
+        found = read_torch(module)
+        ours = cls(
+            found.embed_dim,
+            found.num_heads,
+            kdim=found.kdim,
+            vdim=found.vdim,
+            bias=found.biases is not None,
+            dropout=found.dropout,
+        )
+        ours.to(device=found.device, dtype=found.dtype)
+        with torch.no_grad():
+            projections = (ours.q_proj, ours.k_proj, ours.v_proj, ours.out_proj)
+            for linear, weight in zip(projections, found.weights, strict=True):
+                linear.weight.copy_(weight)
+            for linear, bias in zip(projections, found.biases or (), strict=False):
+                assert linear.bias is not None
+                linear.bias.copy_(bias)
+            if found.bias_k is not None and found.bias_v is not None:
+                ours.bias_k = nn.Parameter(found.bias_k.detach().clone())  # (1, 1, E)
+                ours.bias_v = nn.Parameter(found.bias_v.detach().clone())
+        ours.add_zero_attn = found.add_zero_attn
+        ours.train(found.training)
+        return ours
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -281,7 +298,17 @@ class MultiHeadAttention(nn.Module):
         self_attention = key is None or key is query
         key = query if key is None else key
         value = key if value is None else value
-        self._check_inputs(query, key, value, cache, self_attention)
+        weights = next(self.parameters(), None)
+        check_inputs(
+            query,
+            key,
+            value,
+            cache,
+            self_attention,
+            widths=(self.embed_dim, self.kdim, self.vdim),
+            weights_dtype=None if weights is None else weights.dtype,
+            extra_rows=self.bias_k is not None or self.add_zero_attn,
+        )
         args = (query, key, value, mask, key_padding_lengths, is_causal, cache, need_weights)
         trace = current_trace()
         if trace is None:  # tracing off: one ContextVar lookup, nothing else
@@ -331,11 +358,11 @@ class MultiHeadAttention(nn.Module):
             v = torch.cat((v, v.new_zeros(batch, Hkv, 1, D)), dim=2)
 
         offset = 0 if cache is None else cache.position
-        if isinstance(self.positional, pos.RoPE):
-            q = pos.apply_rope(
+        if isinstance(self.positional, RoPE):
+            q = apply_rope(
                 q, offset=offset, base=self.positional.base, layout=self.positional.layout
             )
-            k = pos.apply_rope(
+            k = apply_rope(
                 k, offset=offset, base=self.positional.base, layout=self.positional.layout
             )
         if cache is not None:
@@ -356,21 +383,17 @@ class MultiHeadAttention(nn.Module):
             extra=extra,
             device=query.device,
         )
-        bias, score_mod = None, None
-        if isinstance(self.positional, pos.ALiBi):
-            slopes = self.positional.slopes or pos.alibi_slopes(H)
-            if need_weights or trace is not None or H * lq * lk <= ALIBI_DENSE_LIMIT:
-                bias = pos.alibi_bias(
-                    H, lq, lk, slopes=slopes, xp=xp_torch, device=query.device, dtype=q.dtype
-                )  # (H, Lq, Lk)
-            else:  # long sequences: the same numbers block by block, no (H, Lq, Lk) array
-                score_mod = masks.alibi(list(slopes), alignment="bottom-right")
+        score_mod = None
+        if isinstance(self.positional, ALiBi):
+            # The dispatcher turns it into an (H, Lq, Lk) bias where that is faster.
+            slopes = self.positional.slopes or alibi_slopes(H)
+            score_mod = alibi(list(slopes), alignment="bottom-right")
         out = scaled_dot_product_attention(
             q,
             k,
             v,
             mask=allowed,
-            bias=bias,
+            bias=None,
             score_mod=score_mod,
             is_causal=causal_flag,
             causal_alignment="top-left" if lq == lk else "bottom-right",
@@ -390,84 +413,5 @@ class MultiHeadAttention(nn.Module):
     def _record(self, trace: Trace, name: str, value: torch.Tensor, axes: tuple[str, ...]) -> None:
         if not trace.wants_step(name):
             return
-        formula, description = PROJECTION_TEXT[name]
-        trace.record(name, value, formula=formula, description=description, axes=axes)
-
-    def _check_inputs(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        cache: KVCache | None,
-        self_attention: bool,
-    ) -> None:
-        for name, x, width, what in (
-            ("query", query, self.embed_dim, "embed_dim"),
-            ("key", key, self.kdim, "kdim"),
-            ("value", value, self.vdim, "vdim"),
-        ):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(
-                    f"{name} must be a torch.Tensor of shape (B, L, {width}), got "
-                    f"{type(x).__name__}. Hint: torch.as_tensor(...)."
-                )
-            if x.ndim != 3 or x.shape[-1] != width:
-                hint = (
-                    f"add a batch axis: {name}[None]"
-                    if x.ndim == 2
-                    else "qkv.nn is batch first: (B, L, features)"
-                )
-                raise ValueError(
-                    f"{name} must have shape (B, L, {what}={width}), got {tuple(x.shape)}. "
-                    f"Hint: {hint}."
-                )
-            if not x.is_floating_point():
-                raise TypeError(
-                    f"{name} must be floating point, got {x.dtype}. Hint: {name}.float()."
-                )
-            weights = next(self.parameters(), None)
-            if weights is not None and x.dtype != weights.dtype:
-                wanted = str(weights.dtype).removeprefix("torch.")
-                raise TypeError(
-                    f"{name} is {str(x.dtype).removeprefix('torch.')} but the module's weights "
-                    f"are {wanted}: they must share one dtype. Hint: convert the module, e.g. "
-                    f"module.to({x.dtype}), or the input with {name}.to({weights.dtype})."
-                )
-        if key.shape[:2] != value.shape[:2]:
-            raise ValueError(
-                f"key and value must have the same batch and length (B, Lk): key "
-                f"{tuple(key.shape)}, value {tuple(value.shape)}. Hint: one value per key."
-            )
-        if key.shape[0] != query.shape[0]:
-            raise ValueError(
-                f"query and key must have the same batch size B: query {tuple(query.shape)}, "
-                f"key {tuple(key.shape)}."
-            )
-        if cache is not None:
-            if not isinstance(cache, KVCache):
-                raise TypeError(
-                    f"cache must be a qkv.nn.KVCache, got {type(cache).__name__}. "
-                    "Hint: cache = qkv.nn.KVCache()."
-                )
-            if not self_attention:
-                raise ValueError(
-                    "cache works with self-attention only (key=None): it appends the new "
-                    "tokens' keys and values. Hint: for cross-attention, compute the keys of "
-                    "the fixed sequence once and pass it as key= without a cache."
-                )
-            if self.bias_k is not None or self.add_zero_attn:
-                raise ValueError(
-                    "cache cannot be combined with add_bias_kv or add_zero_attn (modules "
-                    "converted from torch.nn.MultiheadAttention). Hint: convert a module "
-                    "without them to decode with a cache."
-                )
-
-
-def _positive(value: Any, name: str, hint: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}. Hint: {hint}.")
-    return value
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+        words = WORDS[name]
+        trace.record(name, value, formula=words.formula, description=words.description, axes=axes)

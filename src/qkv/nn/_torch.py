@@ -10,63 +10,80 @@ Shape legend: B batch, H heads, Lq query length, Lk key length, E embed_dim.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from qkv import masks
+from qkv.masks import from_additive, from_ignore
 
-if TYPE_CHECKING:
-    from qkv.nn._mha import MultiHeadAttention
-
-__all__ = ["convert", "masks_from_torch"]
+__all__ = ["TorchAttention", "masks_from_torch", "read_torch"]
 
 
-def convert(cls: type[MultiHeadAttention], module: nn.MultiheadAttention) -> MultiHeadAttention:
-    """A ``cls`` with the settings and (copied) weights of a torch.nn.MultiheadAttention."""
+@dataclass(frozen=True)
+class TorchAttention:
+    """What a ``torch.nn.MultiheadAttention`` holds, for ``MultiHeadAttention.from_torch``.
+
+    Attributes:
+        embed_dim, num_heads, kdim, vdim, dropout: its settings (E, H, Ek, Ev, p).
+        weights: W_q, W_k, W_v, W_o as torch stores them, (out, in): (E, E), (E, Ek),
+            (E, Ev), (E, E).
+        biases: b_q, b_k, b_v, b_o, each (E,), or None without biases.
+        bias_k, bias_v: the learned extra key/value rows (1, 1, E) of ``add_bias_kv``.
+        add_zero_attn, training: as in torch.
+        device, dtype: those of its weights.
+    """
+
+    embed_dim: int
+    num_heads: int
+    kdim: int
+    vdim: int
+    dropout: float
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+    bias_k: torch.Tensor | None
+    bias_v: torch.Tensor | None
+    add_zero_attn: bool
+    training: bool
+    device: torch.device
+    dtype: torch.dtype
+
+
+def read_torch(module: nn.MultiheadAttention) -> TorchAttention:
+    """The settings and weights of a ``torch.nn.MultiheadAttention`` (views, not copies)."""
     if not isinstance(module, nn.MultiheadAttention):
         raise TypeError(
             f"from_torch expects a torch.nn.MultiheadAttention, got {type(module).__name__}. "
             "Hint: for a qkv module, copy it with copy.deepcopy instead."
         )
-    embed_dim, heads = module.embed_dim, module.num_heads
-    has_bias = module.in_proj_bias is not None
-    ours = cls(
-        embed_dim,
-        heads,
+    if module._qkv_same_embed_dim:
+        assert module.in_proj_weight is not None
+        w_q, w_k, w_v = module.in_proj_weight.chunk(3, dim=0)  # (E, E) each, (out, in)
+    else:
+        assert module.q_proj_weight is not None
+        assert module.k_proj_weight is not None and module.v_proj_weight is not None
+        w_q, w_k, w_v = module.q_proj_weight, module.k_proj_weight, module.v_proj_weight
+    biases = None
+    if module.in_proj_bias is not None:
+        b_q, b_k, b_v = module.in_proj_bias.chunk(3)
+        assert module.out_proj.bias is not None
+        biases = (b_q, b_k, b_v, module.out_proj.bias)
+    reference = module.out_proj.weight
+    return TorchAttention(
+        embed_dim=module.embed_dim,
+        num_heads=module.num_heads,
         kdim=module.kdim,
         vdim=module.vdim,
-        bias=has_bias,
         dropout=float(module.dropout),
+        weights=(w_q, w_k, w_v, module.out_proj.weight),
+        biases=biases,
+        bias_k=module.bias_k,
+        bias_v=module.bias_v,
+        add_zero_attn=bool(module.add_zero_attn),
+        training=module.training,
+        device=reference.device,
+        dtype=reference.dtype,
     )
-    reference = module.out_proj.weight
-    ours.to(device=reference.device, dtype=reference.dtype)
-    with torch.no_grad():
-        if module._qkv_same_embed_dim:
-            assert module.in_proj_weight is not None
-            w_q, w_k, w_v = module.in_proj_weight.chunk(3, dim=0)  # (E, E) each, (out, in)
-        else:
-            assert module.q_proj_weight is not None
-            assert module.k_proj_weight is not None and module.v_proj_weight is not None
-            w_q, w_k, w_v = module.q_proj_weight, module.k_proj_weight, module.v_proj_weight
-        for linear, weight in ((ours.q_proj, w_q), (ours.k_proj, w_k), (ours.v_proj, w_v)):
-            linear.weight.copy_(weight)
-        ours.out_proj.weight.copy_(module.out_proj.weight)
-        if has_bias:
-            assert module.in_proj_bias is not None
-            b_q, b_k, b_v = module.in_proj_bias.chunk(3)
-            for linear, bias in ((ours.q_proj, b_q), (ours.k_proj, b_k), (ours.v_proj, b_v)):
-                assert linear.bias is not None
-                linear.bias.copy_(bias)
-            assert ours.out_proj.bias is not None and module.out_proj.bias is not None
-            ours.out_proj.bias.copy_(module.out_proj.bias)
-        if module.bias_k is not None and module.bias_v is not None:
-            ours.bias_k = nn.Parameter(module.bias_k.detach().clone())  # (1, 1, E)
-            ours.bias_v = nn.Parameter(module.bias_v.detach().clone())
-    ours.add_zero_attn = bool(module.add_zero_attn)
-    ours.train(module.training)
-    return ours
 
 
 def masks_from_torch(
@@ -131,7 +148,7 @@ def _allowed(mask: torch.Tensor, name: str) -> torch.Tensor:
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}.")
     if mask.dtype == torch.bool:
-        return masks.from_ignore(mask)  # type: ignore[no-any-return]
+        return from_ignore(mask)  # type: ignore[no-any-return]
     if not mask.is_floating_point():
         raise TypeError(
             f"{name} must be boolean (True = ignore) or float (0 / −inf), got {mask.dtype}. "
@@ -145,4 +162,4 @@ def _allowed(mask: torch.Tensor, name: str) -> torch.Tensor:
             f"(qkv.masks.from_additive({name})) and use positional='alibi' or the core's "
             "bias= argument for the bias."
         )
-    return masks.from_additive(mask)  # type: ignore[no-any-return]
+    return from_additive(mask)  # type: ignore[no-any-return]

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from qkv._extras import require
+from qkv._format import visible
 from qkv._io import write_atomic
-from qkv.render._format import visible
 from qkv.render._narrative import Heads, _index, _labels, _split_calls, query_labels
 from qkv.render._vocabulary import TITLES
 from qkv.trace import Step, Trace
@@ -303,7 +303,7 @@ def _ticks(ax: Any, panel: _Panel) -> None:
 
 
 def _write_values(ax: Any, matrix: np.ndarray, cmap: Any, norm: Any, precision: int) -> None:
-    from qkv.render._format import number
+    from qkv._format import number
 
     lq, lk = matrix.shape
     size = 9 if max(lq, lk) <= 6 else 7

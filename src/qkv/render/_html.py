@@ -46,12 +46,27 @@ from qkv.render._narrative import (
 )
 from qkv.trace import STEP_NAMES, Step, Trace
 
-__all__ = ["MAX_VALUES", "html", "notebook_html"]
+__all__ = ["MAX_VALUES", "HtmlPage", "html", "notebook_html"]
 
 MAX_VALUES = 4_000_000
 """The most numbers a page holds by default (about 21 MB of HTML); see ``max_values``."""
 
 _PROBABILITIES = ("weights", "dropout")  # colour-scaled from 0; the others diverge from 0
+
+
+class HtmlPage(str):
+    """The page of :func:`html`: the HTML text itself (a ``str``: write it, search it), which
+    Jupyter shows as the interactive page in a sandboxed ``<iframe>`` when it ends a cell.
+
+    The trace stays plain data: showing it is this layer's job (``render.html(trace)``).
+    """
+
+    __slots__ = ()
+
+    def _repr_html_(self) -> str:
+        """The page in an ``<iframe srcdoc>``, sandboxed (scripts only: no access to the
+        notebook, no storage)."""
+        return _iframe(self)
 
 
 def html(
@@ -62,7 +77,7 @@ def html(
     steps: Sequence[str] | None = None,
     layers: Sequence[int | str] | None = None,
     max_values: int | None = None,
-) -> str:
+) -> HtmlPage:
     """The trace as one self-contained interactive HTML page (no network, no CDN).
 
     Every matrix of the trace is embedded for batch element 0: the weights of shape
@@ -81,7 +96,8 @@ def html(
             ``layers``, for a big trace.
 
     Returns:
-        The page, as a string.
+        The page, as an :class:`HtmlPage`: a string that Jupyter shows as the interactive
+        page (put ``render.html(trace)`` last in a cell).
 
     Raises:
         TypeError: ``trace`` is not a Trace.
@@ -98,24 +114,26 @@ def html(
         (True, False, True)
     """
     data = page_data(trace, precision=precision, steps=steps, layers=layers, max_values=max_values)
-    page = _assemble(data)
+    page = HtmlPage(_assemble(data))
     if path is not None:
         write_atomic(path, page)
     return page
 
 
 def notebook_html(trace: Trace) -> str | None:
-    """The page in an ``<iframe srcdoc>``, for Jupyter's ``_repr_html_`` (None: no steps).
-
-    The iframe is sandboxed (scripts only: no access to the notebook, no storage). A trace
-    too big for one page shows a one-line message with the hint instead.
-    """
+    """What a notebook shows for ``trace``: the page in a sandboxed ``<iframe srcdoc>``
+    (:meth:`HtmlPage._repr_html_`), a one-line message with the hint for a trace too big for
+    one page, None for a trace without steps."""
     if not trace.steps:
         return None
     try:
         page = html(trace)
     except ValueError as error:
         return f"<p>qkv: {escape(str(error))}</p>"
+    return page._repr_html_()
+
+
+def _iframe(page: str) -> str:
     return (
         '<iframe sandbox="allow-scripts" title="qkv: attention, step by step" '
         'style="width: 100%; height: 720px; border: 1px solid #c8c8c8;" '

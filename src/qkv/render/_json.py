@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qkv.render._format import json_safe
+from qkv._format import json_safe
 from qkv.trace import Trace
 
 __all__ = ["json"]

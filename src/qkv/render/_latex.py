@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qkv.render._format import latex_escape, latex_number
+from qkv._format import latex_escape, latex_number
 from qkv.render._model import Equation, Narrative, StepView, Table
 from qkv.render._narrative import narrate
 from qkv.trace import Trace

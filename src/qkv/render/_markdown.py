@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from qkv.render._format import markdown_escape, number
+from qkv._format import markdown_escape, number
 from qkv.render._model import Equation, Narrative, StepView, Table
 from qkv.render._narrative import narrate
 from qkv.trace import Trace

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from qkv.render._format import latex_escape, latex_visible, number, visible
+from qkv._format import latex_escape, latex_visible, number, visible
 from qkv.render._model import Equation, Fact, Math, Narrative, Section, StepView, Table
-from qkv.render._vocabulary import LATEX_FORMULAS, PLAIN_FORMULAS, TITLES, meaning
+from qkv.render._vocabulary import TITLES, latex_formula, meaning, plain_formula
 from qkv.render._worked import WorkedLines
 from qkv.trace import Step, Trace
 
@@ -562,10 +562,7 @@ class _CallBuilder:
                     name=step.name,
                     number=self.numbers[step.name],
                     title=TITLES.get(step.name, step.name),
-                    formula=Math(
-                        step.formula or PLAIN_FORMULAS.get(step.name, step.name),
-                        self._latex_formula(step.name),
-                    ),
+                    formula=Math(plain_formula(step), self._latex_formula(step.name)),
                     meaning=self._meaning(step),
                     table=self._table(step, value, axes),
                     equations=tuple(equations),
@@ -587,10 +584,8 @@ class _CallBuilder:
         return meaning(step)
 
     def _latex_formula(self, name: str) -> str:
-        if name == "scaled":
-            scale, mode, d_k = self.scale
-            if scale is None:
-                return r"S' = S \cdot \mathrm{scale}"
+        scale, mode, d_k = self.scale
+        if name == "scaled" and scale is not None:
             if mode == "sqrt_dk" and d_k:
                 return (
                     rf"S' = \frac{{S}}{{\sqrt{{d_k}}}} = \frac{{S}}{{\sqrt{{{d_k}}}}} "
@@ -603,7 +598,7 @@ class _CallBuilder:
             heads = self.head.total or "h"
             concat = rf"\operatorname{{concat}}(C_1, \dots, C_{{{heads}}})"
             return concat if name == "concat" else rf"O = {concat}\, W_o"
-        return LATEX_FORMULAS.get(name, r"\text{" + latex_escape(name) + "}")
+        return latex_formula(name) or r"\text{" + latex_escape(name) + "}"
 
     # -- tables ----------------------------------------------------------------------------
 

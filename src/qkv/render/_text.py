@@ -18,7 +18,7 @@ from rich.rule import Rule
 from rich.table import Table as RichTable
 from rich.text import Text
 
-from qkv.render._format import MINUS_INFINITY, number, wrap_equation
+from qkv._format import MINUS_INFINITY, number, wrap_equation
 from qkv.render._model import Narrative, StepView, Table
 from qkv.render._narrative import narrate
 from qkv.trace import Trace

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from qkv._format import latex_escape, latex_number, number
 from qkv.attention import softmax as softmax_of
-from qkv.render._format import latex_escape, latex_number, number
 from qkv.render._model import Equation, Math
 
 __all__ = ["WorkedLines"]

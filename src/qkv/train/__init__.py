@@ -5,7 +5,9 @@ Also the training of attention on real tasks (``qkv train``, docs/training.md):
 with pretrained word vectors frozen or fine-tuned), the shared loop :func:`fit`, the models
 (:class:`RecallModel`, :class:`AttentionClassifier`, :class:`BagOfWords`),
 :func:`load_trained`, :func:`evaluate_trained`, :func:`explain_text` and
-:func:`embedding_drift`.
+:func:`embedding_drift`. The settings and their defaults are declared once, as frozen
+dataclasses: :class:`TrainSettings` (how to train), :class:`RecallSettings` and
+:class:`ClassifySettings`.
 
 Needs PyTorch and safetensors: ``pip install 'qkv[torch]'``.
 
@@ -24,6 +26,7 @@ from qkv._extras import require
 require("torch", feature="qkv.train")
 require("safetensors", feature="qkv.train", extra="torch")
 
+from qkv._train_settings import ClassifySettings, RecallSettings, TrainSettings  # noqa: E402
 from qkv.train._checkpoint import (  # noqa: E402
     Checkpoint,
     CheckpointError,
@@ -35,7 +38,7 @@ from qkv.train._checkpoint import (  # noqa: E402
     save_checkpoint,
 )
 from qkv.train._drift import embedding_drift  # noqa: E402
-from qkv.train._loop import Evaluation, FitResult, StepInfo, TrainSettings, evaluate, fit  # noqa: E402
+from qkv.train._loop import Evaluation, FitResult, StepInfo, evaluate, fit  # noqa: E402
 from qkv.train._models import (  # noqa: E402
     AttentionClassifier,
     BagOfWords,
@@ -60,6 +63,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "ClassifyResult",
+    "ClassifySettings",
     "ClassifyTask",
     "DataError",
     "Evaluation",
@@ -67,6 +71,7 @@ __all__ = [
     "LabelledTexts",
     "Prediction",
     "RecallModel",
+    "RecallSettings",
     "RecallTask",
     "StepInfo",
     "TrainSettings",

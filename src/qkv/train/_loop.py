@@ -20,7 +20,6 @@ either complete or absent: saves are atomic).
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import sys
@@ -36,6 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from qkv._train_settings import TrainSettings
 from qkv.train._checkpoint import (
     CheckpointError,
     check_resume_state,
@@ -76,62 +76,6 @@ class Task(Protocol):
     def train_batch(self, step: int) -> Batch: ...
 
     def validation_batches(self) -> Iterator[Batch]: ...
-
-
-@dataclass(frozen=True)
-class TrainSettings:
-    """How to train.
-
-    Attributes:
-        steps: stop after this many optimizer steps (in all, counting a resumed run's).
-        lr: AdamW's learning rate (after the warm-up).
-        weight_decay: AdamW's decoupled weight decay, on the weight matrices of the linear
-            layers only (not on embeddings, norms or biases).
-        warmup: steps over which the learning rate rises linearly from 0 to ``lr``.
-        eval_every: evaluate on the validation set (and save a checkpoint) every this many
-            steps, and at the last step.
-        patience: stop when this many evaluations in a row do not improve the validation
-            accuracy (or its loss at equal accuracy); None never stops early.
-        target_accuracy: stop as soon as the validation accuracy reaches this; None: never.
-        clip: clip the gradients' global L2 norm to this; None: no clipping.
-        keep: how many checkpoints to keep in ``checkpoints/``.
-    """
-
-    steps: int = 1000
-    lr: float = 3e-3
-    weight_decay: float = 0.01
-    warmup: int = 0
-    eval_every: int = 100
-    patience: int | None = 10
-    target_accuracy: float | None = None
-    clip: float | None = 1.0
-    keep: int = 2
-
-    def __post_init__(self) -> None:
-        for name, low in (("steps", 1), ("eval_every", 1), ("warmup", 0), ("keep", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be a whole number >= {low}, got {value!r}.")
-        if self.patience is not None and (not isinstance(self.patience, int) or self.patience < 1):
-            raise ValueError(
-                f"patience must be a whole number >= 1 or None, got {self.patience!r}."
-            )
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"lr must be a positive number, got {self.lr!r}. Hint: 3e-3.")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}.")
-        if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
-            raise ValueError(
-                f"target_accuracy must be in (0, 1], got {self.target_accuracy!r}. Hint: 0.99."
-            )
-        if self.clip is not None and not self.clip > 0:
-            raise ValueError(f"clip must be positive or None, got {self.clip!r}.")
-
-    def lr_at(self, step: int) -> float:
-        """The learning rate of the step that follows ``step`` steps (warm-up, then flat)."""
-        if self.warmup and step < self.warmup:
-            return self.lr * (step + 1) / self.warmup
-        return self.lr
 
 
 @dataclass(frozen=True)

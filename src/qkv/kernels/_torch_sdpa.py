@@ -30,7 +30,7 @@ import array_api_compat.torch as torch_xp
 import numpy as np
 import torch
 
-from qkv.masks import Mask, causal
+from qkv.masks import Mask, with_causal
 
 __all__ = ["TORCH_SDPA", "dense_mask_elements", "sdpa_attention"]
 
@@ -164,8 +164,9 @@ def _torch_mask(
     dense = None if isinstance(mask, Mask) else mask
     kind = _causal_kind(is_causal, alignment, q_len, kv_len)
     use_is_causal = kind == "top-left" and rule is None and dense is None and bias is None
-    if kind == "rule" or (kind == "top-left" and not use_is_causal):
-        rule = causal(alignment) if rule is None else rule & causal(alignment)  # type: ignore[arg-type]
+    rule = with_causal(
+        rule, kind == "rule" or (kind == "top-left" and not use_is_causal), alignment
+    )
     allowed = None
     if rule is not None:
         allowed = _evaluate(rule, query, key)

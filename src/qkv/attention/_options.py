@@ -1,0 +1,294 @@
+"""One attention call, checked once: its options, its trace settings, and the inputs.
+
+Shape legend: B batch, H query heads, Hkv key/value heads, Lq / Lk query / key length,
+D head dim, Dv value dim; ``lead`` names the axes before (L, D).
+
+:func:`make_call` checks every argument of :func:`qkv.scaled_dot_product_attention` once and
+returns a :class:`Call`: the arrays, an :class:`Options` (what the mathematics needs: the
+mask, bias, score modifier, causality, scale, dropout with its seed already drawn) and a
+:class:`Recorder` (where the steps go: the trace, the formulas of the Q, K, V steps, whether
+a single head axis is dropped, and which rows a partial trace holds). Every backend takes
+the same Call; nothing below re-checks it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from types import MappingProxyType
+from typing import Any
+
+from qkv._array import Array, as_array, library
+from qkv.attention import _checks
+from qkv.masks import Alignment, Mask, ScoreMod, draw_seed, with_causal
+from qkv.masks._scores import as_score_mod
+from qkv.steps import WORDS
+from qkv.trace import Trace, resolve
+
+__all__ = ["Call", "Options", "Positions", "Recorder", "default_lead", "make_call"]
+
+
+@dataclass(frozen=True)
+class Options:
+    """The options of one attention call, checked: what the mathematics receives.
+
+    Attributes:
+        mask: a boolean array broadcastable to (..., H, Lq, Lk) (True = may attend), a
+            :class:`qkv.masks.Mask` rule, or None.
+        bias: added to the scaled scores, broadcastable to (..., H, Lq, Lk), or None.
+        score_mod: applied after the bias and before the mask, or None.
+        is_causal: combined with ``mask`` (see :attr:`rule`).
+        causal_alignment: ``"top-left"`` or ``"bottom-right"``.
+        scale: multiplies the scores; None means 1/√D (see :meth:`scale_for`).
+        enable_gqa: H may be a multiple of Hkv.
+        dropout_p: the probability of dropping a weight.
+        seed: the dropout seed, drawn once per call (None without dropout).
+    """
+
+    mask: Array | Mask | None = None
+    bias: Array | None = None
+    score_mod: ScoreMod | None = None
+    is_causal: bool = False
+    causal_alignment: Alignment = "top-left"
+    scale: float | None = None
+    enable_gqa: bool = False
+    dropout_p: float = 0.0
+    seed: int | None = None
+
+    @cached_property
+    def rule(self) -> Mask | None:
+        """The Mask rule to evaluate: the caller's rule and the causal rule, combined
+        (:func:`qkv.masks.with_causal`); None when neither is given."""
+        given = self.mask if isinstance(self.mask, Mask) else None
+        return with_causal(given, self.is_causal, self.causal_alignment)
+
+    @property
+    def dense_mask(self) -> Array | None:
+        """The caller's boolean mask array, or None (a rule is in :attr:`rule`)."""
+        return None if self.mask is None or isinstance(self.mask, Mask) else self.mask
+
+    @property
+    def masked(self) -> bool:
+        """Whether some key may be masked out (a mask or causality)."""
+        return self.mask is not None or self.is_causal
+
+    def scale_for(self, d_k: int) -> float:
+        """The number the scores are multiplied by: ``scale``, or 1/√d_k."""
+        return 1.0 / math.sqrt(d_k) if self.scale is None else float(self.scale)
+
+
+@dataclass(frozen=True)
+class Positions:
+    """Where the rows of a call sit in a larger one (a trace of selected rows).
+
+    Attributes:
+        heads: the original index of each query head (None: no head axis).
+        queries: the original index of each query row.
+        q_len: the original Lq (the causal alignment depends on it).
+    """
+
+    heads: list[int] | None
+    queries: list[int]
+    q_len: int
+
+
+_NO_FORMULAS: Mapping[str, str] = MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class Recorder:
+    """Where one call's steps go, and how they are named; records nothing without a trace.
+
+    Attributes:
+        trace: the :class:`qkv.Trace` to record into, or None.
+        formulas: formulas that replace the Q, K, V steps' own ("Q = X·W_q" when the caller
+            projected them).
+        squeeze_heads: drop a single head axis from what is recorded.
+        positions: the rows this call holds of a larger one (a partial trace), or None.
+        backend: the backend that computes what is recorded (the call record's
+            ``backend``).
+    """
+
+    trace: Trace | None = None
+    formulas: Mapping[str, str] = field(default_factory=lambda: _NO_FORMULAS)
+    squeeze_heads: bool = False
+    positions: Positions | None = None
+    backend: str = "reference"
+
+    def begin(self, query: Array, key: Array, value: Array) -> None:
+        """Open the trace's record of this call (its backend and the shapes of its inputs)."""
+        if self.trace is not None:
+            self.trace.begin_call(backend=self.backend, shapes=shapes_of(query, key, value))
+
+    def step(
+        self,
+        name: str,
+        value: Array,
+        lead: tuple[str, ...],
+        axes: tuple[str, ...],
+        *,
+        formula: str | None = None,
+        kv: bool = False,
+    ) -> None:
+        """Record step ``name`` with axes (…lead, …axes); ``kv`` names the head axis
+        ``kv_head`` (keys and values under GQA)."""
+        if self.trace is None:
+            return
+        lead = tuple("kv_head" if kv and a == "head" else a for a in lead)
+        if self.squeeze_heads and lead and lead[-1] in ("head", "kv_head"):
+            value = value[..., 0, :, :]
+            lead = lead[:-1]
+        words = WORDS[name]
+        self.trace.record(
+            name,
+            value,
+            formula=self.formulas.get(name) or formula or words.formula,
+            description=words.description,
+            axes=(*lead, *axes),
+        )
+
+    def facts(
+        self,
+        query: Array,
+        key: Array,
+        value: Array,
+        lead: tuple[str, ...],
+        options: Options,
+    ) -> None:
+        """Close the trace's record of this call with its facts (heads, d_k, scale,
+        causality, mask), which also go into the trace's meta."""
+        if self.trace is None:
+            return
+        self.trace.end_call(**call_facts(query, key, value, lead, options))
+
+
+def shapes_of(query: Array, key: Array, value: Array) -> dict[str, list[int]]:
+    """The shapes of a call's inputs, for its trace record."""
+    named = {"query": query, "key": key, "value": value}
+    return {name: [int(n) for n in x.shape] for name, x in named.items()}
+
+
+def call_facts(
+    query: Array, key: Array, value: Array, lead: tuple[str, ...], options: Options
+) -> dict[str, Any]:
+    """What a trace records about a call: heads, d_k, d_v, scale, causality, mask."""
+    scale = options.scale
+    d_k = int(query.shape[-1])
+    mask = options.mask
+    facts: dict[str, Any] = {
+        "num_heads": int(query.shape[-3]) if "head" in lead else 1,
+        "num_kv_heads": int(key.shape[-3]) if "head" in lead else 1,
+        "d_k": d_k,
+        "d_v": int(value.shape[-1]),
+        "scale": options.scale_for(d_k),
+        "scale_mode": "sqrt_dk" if scale is None else ("none" if scale == 1.0 else "custom"),
+        "causal": bool(options.is_causal),
+        "causal_alignment": options.causal_alignment,
+        "mask": None if mask is None else _describe_mask(mask),
+    }
+    if options.score_mod is not None:
+        facts["score_mod"] = repr(options.score_mod)
+    return facts
+
+
+def _describe_mask(mask: Array | Mask) -> str:
+    return repr(mask) if isinstance(mask, Mask) else f"boolean array {tuple(mask.shape)}"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One attention call, checked: what every backend receives.
+
+    Attributes:
+        xp: the array namespace of the inputs.
+        query: (…lead, Lq, D). key: (…lead, Lk, D) with Hkv heads. value: (…lead, Lk, Dv).
+        lead: the names of the axes before (L, D), e.g. ``("batch", "head")``.
+        options: the call's :class:`Options`.
+        return_weights: the weights are asked for.
+        recorder: where the steps go (:class:`Recorder`).
+    """
+
+    xp: Any
+    query: Array
+    key: Array
+    value: Array
+    lead: tuple[str, ...]
+    options: Options
+    return_weights: bool = False
+    recorder: Recorder = field(default_factory=Recorder)
+
+    @property
+    def trace(self) -> Trace | None:
+        return self.recorder.trace
+
+    @property
+    def torch(self) -> bool:
+        return library(self.query) == "torch"
+
+    def scores_elements(self) -> int:
+        """Elements of one (..., H, Lq, Lk) matrix."""
+        return math.prod(int(n) for n in self.query.shape[:-1]) * int(self.key.shape[-2])
+
+
+def default_lead(ndim: int, *, enable_gqa: bool) -> tuple[str, ...]:
+    """Names of the axes before (L, D): (B, H, ...) as in PyTorch; 3-D is (B, ...) or (H, ...)."""
+    n = ndim - 2
+    if n == 0:
+        return ()
+    if n == 1:
+        return ("head",) if enable_gqa else ("batch",)
+    return (*(f"extra{i}" for i in range(n - 2)), "batch", "head")
+
+
+def make_call(
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    mask: Array | Mask | None = None,
+    bias: Array | None = None,
+    score_mod: ScoreMod | Callable[..., Any] | None = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top-left",
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    dropout_p: float = 0.0,
+    generator: Any = None,
+    return_weights: bool = False,
+    trace: Trace | None = None,
+    lead: tuple[str, ...] | None = None,
+    formulas: Mapping[str, str] | None = None,
+    squeeze_heads: bool = False,
+) -> Call:
+    """Check the arguments of :func:`qkv.scaled_dot_product_attention` once and bundle them.
+
+    ``lead``, ``formulas`` and ``squeeze_heads`` come from callers that made query, key and
+    value themselves (:func:`qkv.multi_head_attention`): the names of the axes before
+    (L, D) (default: PyTorch's layout, :func:`default_lead`) and the recorder's settings.
+    """
+    xp, query, key, value = _checks.qkv_arrays(query, key, value, enable_gqa=enable_gqa)
+    _checks.check_options(scale, dropout_p, causal_alignment)
+    scores_shape = (*query.shape[:-2], query.shape[-2], key.shape[-2])
+    _checks.check_mask(mask, query, scores_shape)
+    bias = None if bias is None else as_array(bias, "bias")
+    _checks.check_bias(bias, query, scores_shape)
+    seed = None
+    if dropout_p > 0:
+        seed = draw_seed(generator, torch_inputs=library(query) == "torch")
+    options = Options(
+        mask=mask,
+        bias=bias,
+        score_mod=as_score_mod(score_mod),
+        is_causal=bool(is_causal),
+        causal_alignment="bottom-right" if causal_alignment == "bottom-right" else "top-left",
+        scale=scale,
+        enable_gqa=bool(enable_gqa),
+        dropout_p=float(dropout_p),
+        seed=seed,
+    )
+    recorder = Recorder(resolve(trace), formulas or _NO_FORMULAS, squeeze_heads)
+    if lead is None:
+        lead = default_lead(query.ndim, enable_gqa=enable_gqa)
+    return Call(xp, query, key, value, lead, options, bool(return_weights), recorder)

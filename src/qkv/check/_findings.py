@@ -1,0 +1,151 @@
+"""What a check found, as plain data: one :class:`Finding` per claimed row, gathered in a
+:class:`ReportData`.
+
+Nothing here formats a report: the text, Markdown and JSON formatters (``_text``,
+``_markdown``, ``_json``) read this data, and :class:`qkv.check.Report` adds methods that
+call them. Every module of the check imports this one; it imports only :mod:`qkv._format`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Self
+
+from qkv._format import visible
+
+__all__ = ["DIAGNOSES", "STATUSES", "Finding", "ReportData"]
+
+STATUSES = ("ok", "mismatch", "consequential", "note")
+"""What a finding can say about a claimed row.
+
+``ok``: every number matches within its printed precision. ``mismatch``: a mistake made in
+this step (``diagnosis`` names it). ``consequential``: the step was done right, but on wrong
+numbers from an earlier step. ``note``: off only beyond the printed precision (``rounding``).
+"""
+
+DIAGNOSES = {
+    "unscaled": "softmax of Q·Kᵀ without dividing by √d_k",
+    "scaled-by-dk": "divided by d_k instead of √d_k",
+    "transposed-weights": "X·Wᵀ instead of X·W (the column-vector convention mixed up)",
+    "softmax-wrong-axis": "softmax normalised over the queries (columns) instead of over the "
+    "keys (rows)",
+    "query-key-swapped": "K·Qᵀ instead of Q·Kᵀ: a score row holds another query's scores",
+    "context-not-summed": 'the "context vectors" are the products w_j·v_j of one query, not '
+    "their sum",
+    "wrong-query": "the row was computed with another token's query",
+    "arithmetic": "one or a few numbers wrong, with no pattern above",
+    "rounding": "differs only beyond the printed precision (a note, not an error)",
+}
+"""Each diagnosis code and the slip it names, in the order they are tried."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What the checker found about one claimed row, e.g. the weights of the query "love".
+
+    Attributes:
+        step: the step name (``"Q"``, ``"scores"``, ``"weights"``, ...).
+        token: the token whose row it is.
+        position: the token's 0-based position.
+        claimed: the numbers as claimed.
+        printed: the same numbers as printed in the file (``"0.50"``), for their digits.
+        expected: the correct numbers.
+        status: one of :data:`STATUSES`.
+        diagnosis: a code of :data:`DIAGNOSES` for a mismatch (``"rounding"`` for a note);
+            None for ``ok`` and ``consequential``.
+        message: what is wrong and what the step should have been, in plain words.
+        marks: per number, ``"ok"``, ``"rounding"`` or ``"wrong"``.
+        line: the line of the row in the file, when known.
+        cause: for a consequential row, the (step, position) of the mistake it follows from.
+        decimals: how many decimals to show the numbers of this row with.
+    """
+
+    step: str
+    token: str
+    position: int
+    claimed: tuple[float, ...]
+    printed: tuple[str, ...]
+    expected: tuple[float, ...]
+    status: str
+    diagnosis: str | None
+    message: str
+    marks: tuple[str, ...]
+    line: int | None = None
+    cause: tuple[str, int] | None = None
+    decimals: int = 4
+
+    @property
+    def wrong(self) -> bool:
+        """A mismatch or a consequential error (notes and matches are not wrong)."""
+        return self.status in ("mismatch", "consequential")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The finding in the JSON schema: step, token, claimed, expected, status, diagnosis,
+        message. ``expected`` is rounded to 6 decimals."""
+        return {
+            "step": self.step,
+            "token": self.token,
+            "claimed": [float(x) for x in self.claimed],
+            "expected": [round(float(x), 6) + 0.0 for x in self.expected],
+            "status": self.status,
+            "diagnosis": self.diagnosis,
+            "message": self.message,
+        }
+
+
+@dataclass(frozen=True)
+class ReportData:
+    """The check of one worked example: a finding per claimed row, in the order of computation.
+
+    Attributes:
+        name: the example's title.
+        source: where it came from (``"built-in i-love-statistics"`` or the file path).
+        tokens: the example's tokens.
+        findings: one per claimed row: the steps in the order Q, K, V, scores, scaled,
+            weights, context, output, and the tokens in their order within a step.
+    """
+
+    name: str
+    source: str | None
+    tokens: tuple[str, ...]
+    findings: tuple[Finding, ...]
+
+    @property
+    def ok(self) -> bool:
+        """True when no claimed row is wrong (notes do not count)."""
+        return not any(f.wrong for f in self.findings)
+
+    @property
+    def first_wrong(self) -> Finding | None:
+        """The first mistake in the order of computation, or None."""
+        return next((f for f in self.findings if f.status == "mismatch"), None)
+
+    def counts(self) -> dict[str, int]:
+        """How many findings have each status."""
+        return {s: sum(f.status == s for f in self.findings) for s in STATUSES}
+
+    def visible(self) -> Self:
+        """The report with every control character in its texts (tokens, name, source,
+        messages, printed numbers) written out visibly, ``\\x1b`` for ESC: what the text and
+        Markdown reports show, so that a token cannot act on the terminal."""
+        findings = tuple(
+            dataclasses.replace(
+                f,
+                token=visible(f.token),
+                printed=tuple(visible(p) for p in f.printed),
+                message=visible(f.message),
+            )
+            for f in self.findings
+        )
+        return dataclasses.replace(
+            self,
+            name=visible(self.name),
+            source=None if self.source is None else visible(self.source),
+            tokens=tuple(visible(t) for t in self.tokens),
+            findings=findings,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"ok": bool, "findings": [...]}``, see :meth:`Finding.to_dict`."""
+        return {"ok": self.ok, "findings": [f.to_dict() for f in self.findings]}

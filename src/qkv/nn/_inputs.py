@@ -1,0 +1,101 @@
+"""Checks of ``qkv.nn.MultiHeadAttention``'s arguments: each error names the argument, what
+was expected and what came, with a hint.
+
+Shape legend: B batch, L sequence length, E / Ek / Ev the widths of query, key and value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from qkv.nn._cache import KVCache
+
+__all__ = ["check_inputs", "divisors", "positive"]
+
+
+def check_inputs(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: KVCache | None,
+    self_attention: bool,
+    *,
+    widths: tuple[int, int, int],
+    weights_dtype: torch.dtype | None,
+    extra_rows: bool,
+) -> None:
+    """The inputs of ``MultiHeadAttention.forward``: tensors (B, L, width) with the
+    module's ``widths`` (E, Ek, Ev) and ``weights_dtype``, one batch size, one value per key;
+    a cache only for self-attention and without torch's ``extra_rows`` (add_bias_kv,
+    add_zero_attn)."""
+    for name, x, width, what in (
+        ("query", query, widths[0], "embed_dim"),
+        ("key", key, widths[1], "kdim"),
+        ("value", value, widths[2], "vdim"),
+    ):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"{name} must be a torch.Tensor of shape (B, L, {width}), got "
+                f"{type(x).__name__}. Hint: torch.as_tensor(...)."
+            )
+        if x.ndim != 3 or x.shape[-1] != width:
+            hint = (
+                f"add a batch axis: {name}[None]"
+                if x.ndim == 2
+                else "qkv.nn is batch first: (B, L, features)"
+            )
+            raise ValueError(
+                f"{name} must have shape (B, L, {what}={width}), got {tuple(x.shape)}. "
+                f"Hint: {hint}."
+            )
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be floating point, got {x.dtype}. Hint: {name}.float().")
+        if weights_dtype is not None and x.dtype != weights_dtype:
+            wanted = str(weights_dtype).removeprefix("torch.")
+            raise TypeError(
+                f"{name} is {str(x.dtype).removeprefix('torch.')} but the module's weights "
+                f"are {wanted}: they must share one dtype. Hint: convert the module, e.g. "
+                f"module.to({x.dtype}), or the input with {name}.to({weights_dtype})."
+            )
+    if key.shape[:2] != value.shape[:2]:
+        raise ValueError(
+            f"key and value must have the same batch and length (B, Lk): key "
+            f"{tuple(key.shape)}, value {tuple(value.shape)}. Hint: one value per key."
+        )
+    if key.shape[0] != query.shape[0]:
+        raise ValueError(
+            f"query and key must have the same batch size B: query {tuple(query.shape)}, "
+            f"key {tuple(key.shape)}."
+        )
+    if cache is not None:
+        if not isinstance(cache, KVCache):
+            raise TypeError(
+                f"cache must be a qkv.nn.KVCache, got {type(cache).__name__}. "
+                "Hint: cache = qkv.nn.KVCache()."
+            )
+        if not self_attention:
+            raise ValueError(
+                "cache works with self-attention only (key=None): it appends the new "
+                "tokens' keys and values. Hint: for cross-attention, compute the keys of "
+                "the fixed sequence once and pass it as key= without a cache."
+            )
+        if extra_rows:
+            raise ValueError(
+                "cache cannot be combined with add_bias_kv or add_zero_attn (modules "
+                "converted from torch.nn.MultiheadAttention). Hint: convert a module "
+                "without them to decode with a cache."
+            )
+
+
+def positive(value: Any, name: str, hint: str) -> int:
+    """``value`` if it is a positive integer, else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}. Hint: {hint}.")
+    return value
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of n, for hints."""
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,247 @@
+"""The one vocabulary of attention's steps: names, titles, formulas, meanings and nouns.
+
+Every part of qkv that names a step takes its words from here: the reference records each
+step with its formula and description, renderers title and explain it, ``qkv check`` calls a
+row of it by its noun. The words are the seeds' (embeddings, query/key/value vectors,
+attention scores, scaling, softmax, attention weights, context vectors as weighted sums of
+value vectors).
+
+Step names are a public interface (the trace, renderers and the JSON files use them), listed
+in :data:`STEP_NAMES` in the order of computation.
+
+Example:
+    >>> WORDS["weights"].title
+    'Attention weights'
+    >>> WORDS["scores"].formula
+    'S = Q·Kᵀ'
+    >>> WORDS["context"].noun(2)
+    'context vectors'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+__all__ = ["STEP_NAMES", "WORDS", "StepWords", "meaning"]
+
+
+@dataclass(frozen=True)
+class StepWords:
+    """What a learner reads about one step.
+
+    Attributes:
+        name: the step's name, e.g. ``"weights"``.
+        title: its heading, e.g. ``"Attention weights"``.
+        formula: the formula in plain text, e.g. ``"A = softmax(S') row by row"``.
+        latex: the formula in LaTeX (math mode, without delimiters). For Q, K and V it says
+            how they are made from the embeddings (``Q = X W_q``), as the LaTeX and
+            Markdown renderers print it.
+        description: one line on what it means, as a trace records it:
+            ``"attention weights: each row ..."``.
+        singular: how one row of it is called (``"context vector"``).
+        plural: how several rows are called (``"context vectors"``).
+        short: the plural in a sentence that already names the step (``"weights"`` for
+            ``"attention weights"``); empty when it is the plural itself.
+    """
+
+    name: str
+    title: str
+    formula: str
+    latex: str
+    description: str
+    singular: str
+    plural: str
+    short: str = ""
+
+    def noun(self, count: int = 1) -> str:
+        """The noun for ``count`` rows of this step."""
+        return self.singular if count == 1 else self.plural
+
+    @property
+    def countable(self) -> bool:
+        """Whether one row has a singular noun of its own (a query vector; not "attention
+        scores", which stays plural for one row)."""
+        return self.singular != self.plural
+
+
+_WORDS = (
+    StepWords(
+        "embeddings",
+        "Token embeddings",
+        "X",
+        "X",
+        "word embeddings: one row per token (d_model numbers each)",
+        "embedding",
+        "embeddings",
+    ),
+    StepWords(
+        "W_q",
+        "Query weight matrix W_q",
+        "W_q",
+        "W_q",
+        "learned query projection (d_model × d_k): Q = X·W_q",
+        "row of W_q",
+        "rows of W_q",
+    ),
+    StepWords(
+        "W_k",
+        "Key weight matrix W_k",
+        "W_k",
+        "W_k",
+        "learned key projection (d_model × d_k): K = X·W_k",
+        "row of W_k",
+        "rows of W_k",
+    ),
+    StepWords(
+        "W_v",
+        "Value weight matrix W_v",
+        "W_v",
+        "W_v",
+        "learned value projection (d_model × d_v): V = X·W_v",
+        "row of W_v",
+        "rows of W_v",
+    ),
+    StepWords(
+        "Q",
+        "Query vectors",
+        "Q",
+        "Q = X W_q",
+        "query vectors: what each word is looking for",
+        "query vector",
+        "query vectors",
+    ),
+    StepWords(
+        "K",
+        "Key vectors",
+        "K",
+        "K = X W_k",
+        "key vectors: what each word offers to be matched against a query",
+        "key vector",
+        "key vectors",
+    ),
+    StepWords(
+        "V",
+        "Value vectors",
+        "V",
+        "V = X W_v",
+        "value vectors: the information each word passes on",
+        "value vector",
+        "value vectors",
+    ),
+    StepWords(
+        "scores",
+        "Attention scores",
+        "S = Q·Kᵀ",
+        r"S = Q K^{\top}",
+        "attention scores: the dot product of each query vector with every key vector",
+        "attention scores",
+        "attention scores",
+        "scores",
+    ),
+    StepWords(
+        "scaled",
+        "Scaled attention scores",
+        "S' = S × scale",
+        r"S' = S \cdot \mathrm{scale}",
+        "scaled scores: divided by √d_k so softmax is not too sharp",
+        "scaled scores",
+        "scaled scores",
+    ),
+    StepWords(
+        "bias",
+        "Scaled scores plus bias",
+        "S' = S' + bias",
+        r"S' = S' + B",
+        "scaled scores plus the additive bias",
+        "biased scores",
+        "biased scores",
+    ),
+    StepWords(
+        "masked",
+        "Masked attention scores",
+        "S' = S' where allowed, −∞ elsewhere",
+        r"S'_{ij} = -\infty \text{ where query } i \text{ may not attend to key } j",
+        "masked scores: keys a query may not attend get −∞, so weight 0",
+        "masked scores",
+        "masked scores",
+    ),
+    StepWords(
+        "weights",
+        "Attention weights",
+        "A = softmax(S') row by row",
+        r"A = \operatorname{softmax}(S') \text{ row by row}",
+        "attention weights: each row is a probability distribution over the keys (sums to 1)",
+        "attention weights",
+        "attention weights",
+        "weights",
+    ),
+    StepWords(
+        "dropout",
+        "Attention weights after dropout",
+        "A = A · keep / (1 − p)",
+        r"A = A \cdot \mathrm{keep} / (1 - p)",
+        "attention weights after dropout: dropped weights are 0, the others divided by 1 − p",
+        "weights after dropout",
+        "weights after dropout",
+    ),
+    StepWords(
+        "context",
+        "Context vectors",
+        "C = A·V",
+        "C = A V",
+        "context vectors: for each query, the weighted sum of value vectors",
+        "context vector",
+        "context vectors",
+    ),
+    StepWords(
+        "concat",
+        "Concatenated context vectors",
+        "concat(C_1, …, C_h)",
+        r"\operatorname{concat}(C_1, \ldots, C_h)",
+        "the context vectors of all heads, side by side",
+        "concatenated context vector",
+        "concatenated context vectors",
+    ),
+    StepWords(
+        "W_o",
+        "Output weight matrix W_o",
+        "W_o",
+        "W_o",
+        "learned output projection (h·d_v × d_out)",
+        "row of W_o",
+        "rows of W_o",
+    ),
+    StepWords(
+        "output",
+        "Output",
+        "O = concat·W_o",
+        r"O = \operatorname{concat} \cdot W_o",
+        "the output of multi-head attention, one row per token",
+        "output",
+        "outputs",
+    ),
+)
+
+WORDS: Mapping[str, StepWords] = MappingProxyType({w.name: w for w in _WORDS})
+"""Each step's words, by step name."""
+
+STEP_NAMES: tuple[str, ...] = tuple(WORDS)
+"""The step names, in the order of computation."""
+
+
+def meaning(name: str, description: str | None = None) -> str:
+    """The meaning of a step as a sentence: its description without a leading label
+    (``"attention scores: "``), capitalised, with a final period.
+
+    Example:
+        >>> meaning("context")
+        'For each query, the weighted sum of value vectors.'
+    """
+    text = (description or (WORDS[name].description if name in WORDS else "")).strip()
+    head, sep, rest = text.partition(": ")
+    if sep and rest and len(head) <= 40 and all(c.isalpha() or c == " " for c in head):
+        text = rest
+    text = text[:1].upper() + text[1:]
+    return text if not text or text.endswith((".", "!", "?")) else text + "."
