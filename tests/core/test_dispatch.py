@@ -15,8 +15,7 @@ from hypothesis import strategies as st
 import qkv
 from qkv import masks
 from qkv.attention import _backends
-
-from .strategies import Case, cases
+from tests.support.strategies import Case, cases
 
 TOL = 1e-12  # float64: the backends differ from the reference by rounding only
 

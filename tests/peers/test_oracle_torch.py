@@ -10,8 +10,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 import qkv
 from qkv import masks
-
-from .strategies import Case, cases, fully_masked_rows
+from tests.support.strategies import Case, cases, fully_masked_rows
 
 TOL = 1e-12
 

@@ -130,7 +130,7 @@ def test_unknown_step_name_and_missing_step() -> None:
 
 # -- traces made of calls; files of version 1 and 2 (issue 13) -----------------------------
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 V1_FILES = sorted(p.stem for p in DATA.glob("trace_v1_*.json"))
 
 

@@ -19,7 +19,7 @@ from qkv._train_settings import (
 )
 from qkv.cli import _train, main
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "training.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "training.md"
 FIELDS = {"--heads": "num_heads"}  # the options whose field is not their name
 
 

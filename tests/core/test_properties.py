@@ -9,8 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qkv
-
-from .strategies import Case, cases, fully_masked_rows
+from tests.support.strategies import Case, cases, fully_masked_rows
 
 TOL = 1e-12
 SETTINGS = settings(max_examples=60, deadline=None)

@@ -16,10 +16,9 @@ from PIL import Image
 import qkv
 from qkv import examples, render
 from qkv._extras import MissingExtraError
+from tests.support.traces import two_layers
 
-from .traces import two_layers
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SVG_NS = "{http://www.w3.org/2000/svg}"
 
 

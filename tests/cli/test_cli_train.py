@@ -17,7 +17,7 @@ from qkv import data, embeddings
 from qkv.cli import main
 from qkv.data.__main__ import main as data_main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY_CLASSIFY = ["--sentences", "80", "--steps", "6", "--eval-every", "3", "--quiet"]
 TINY_RECALL = ["--pairs", "3", "--d-model", "16", "--heads", "2", "--validation-size", "64",
                "--steps", "6", "--eval-every", "3", "--quiet"]  # fmt: skip

@@ -19,8 +19,7 @@ import qkv
 from qkv import examples, render
 from qkv.cli import main
 from qkv.render._html import notebook_html, page_data
-
-from .traces import two_layers
+from tests.support.traces import two_layers
 
 ASSETS = Path(render.__file__).parent / "assets"
 HOSTILE = [

@@ -3,7 +3,7 @@
 The text report of seed 000 is pinned in ``tests/golden/check-i-love-statistics.txt``. After a
 deliberate change of the report, regenerate it with::
 
-    QKV_UPDATE_GOLDEN=1 .venv/bin/pytest tests/test_check_cli.py -k golden
+    QKV_UPDATE_GOLDEN=1 .venv/bin/pytest tests/check/test_check_cli.py -k golden
 
 and review the difference (``git diff tests/golden``) before committing it.
 """
@@ -21,11 +21,10 @@ from rich.console import Console
 from qkv.check import DIAGNOSES, STATUSES, check
 from qkv.cli import main
 from qkv.examples import CLAIMABLE, loads
+from tests.check.test_check import A, C, K, Q, S, V, example_yaml
 
-from .test_check import A, C, K, Q, S, V, example_yaml
-
-ROOT = Path(__file__).resolve().parent.parent
-GOLDEN = Path(__file__).resolve().parent / "golden" / "check-i-love-statistics.txt"
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "check-i-love-statistics.txt"
 DOC = ROOT / "docs" / "check.md"
 
 

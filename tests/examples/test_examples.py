@@ -375,7 +375,7 @@ def test_example_error_parts_and_pickle() -> None:
 
 
 def _doc_blocks(language: str) -> list[str]:
-    doc = Path(__file__).resolve().parents[1] / "docs" / "example-format.md"
+    doc = Path(__file__).resolve().parents[2] / "docs" / "example-format.md"
     return re.findall(rf"```{language}\n(.*?)```", doc.read_text(encoding="utf-8"), re.S)
 
 

@@ -13,7 +13,7 @@ import pytest
 from qkv.bench import _measure, _suite, _tables
 from qkv.cli import _bench, main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 TINY = _suite.Settings(
     lengths=(64, 128),

@@ -23,7 +23,7 @@ from qkv import examples, masks, render
 from qkv.check import check
 from qkv.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NUMBER = r"-?\d+(?:\.\d+)?"
 
 

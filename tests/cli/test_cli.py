@@ -307,7 +307,7 @@ def test_explain_runs_without_torch_or_matplotlib() -> None:
 
 # -- the README stays true ---------------------------------------------------------------------
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def _blocks(language: str) -> list[str]:

@@ -1,0 +1,1 @@
+"""Tests of the HTML page in real Chromium."""

@@ -1,0 +1,1 @@
+"""Tests of the NumPy core: attention, masks, trace, errors, the step vocabulary."""

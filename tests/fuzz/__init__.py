@@ -1,0 +1,1 @@
+"""Tests of hostile and malformed files on every surface."""

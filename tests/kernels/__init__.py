@@ -1,0 +1,1 @@
+"""Tests of the tiled kernel against the reference."""

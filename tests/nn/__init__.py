@@ -1,0 +1,1 @@
+"""Tests of the PyTorch modules, the KV cache and model tracing."""

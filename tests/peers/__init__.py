@@ -1,0 +1,1 @@
+"""Tests of expectations ported from peers: PyTorch's SDPA tests, transformers' models."""

@@ -1,0 +1,1 @@
+"""Tests of the renderers: text, Markdown, LaTeX, JSON, pictures, the HTML page."""

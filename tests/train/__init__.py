@@ -1,0 +1,1 @@
+"""Tests of training, checkpoints and the generated data sets."""
