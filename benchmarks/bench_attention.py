@@ -6,16 +6,20 @@ The measurements themselves live in the package ``qkv.bench`` (so that ``qkv ben
 from an installed package); see ``qkv.bench._measure`` for how time and GFLOP/s are measured,
 and ``qkv.bench._memory`` for peak memory.
 
-Sections: dense (dense and causal forward at each length, every peer), masks (sliding window
-and packed documents against SDPA given the dense mask, with peak memory), long (causal
-forward + backward at one long length, with peak memory), trace (the cost of the public
-entry over the kernel), decode (one KV-cache decoding step against recomputing).
+Sections: dense (dense and causal forward at each length, every peer), masks (causal, sliding
+window and packed documents against torch.compile(flex_attention), its compile time apart,
+and SDPA, at 4096 and --mask-length, with peak memory), backward (forward + backward, dense
+and causal, against SDPA flash at --train-length), long (causal forward + backward at one
+long length, with peak memory), trace (the cost of the public entry over the kernel),
+decode (one KV-cache decoding step against recomputing). A last table, targets, reads the
+performance targets from the ratios of the same run.
 
 Usage:
     python benchmarks/bench_attention.py                            # the default run
     python benchmarks/bench_attention.py --quick
     python benchmarks/bench_attention.py --only long --long-length 65536
     python benchmarks/bench_attention.py --only masks --mask-length 32768 --threads 2
+    python benchmarks/bench_attention.py --only backward --train-length 8192
     python benchmarks/bench_attention.py --lengths 2048 8192 --repeats 7 --write
 """
 
@@ -36,6 +40,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--mask-length", type=int)
     parser.add_argument("--long-length", type=int)
     parser.add_argument("--decode-length", type=int)
+    parser.add_argument("--train-length", type=int)
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--threads", type=int)
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
@@ -52,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "mask_length": args.mask_length,
         "long_length": args.long_length,
         "decode_length": args.decode_length,
+        "train_length": args.train_length,
         "repeats": args.repeats,
         "threads": args.threads,
     }

@@ -12,7 +12,7 @@ Example:
 
 from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
-from types import ModuleType
+from typing import Any
 
 from qkv import masks
 from qkv.attention import (
@@ -37,11 +37,13 @@ _SUBMODULES = (
 )  # fmt: skip
 
 
-def __getattr__(name: str) -> ModuleType:
+def __getattr__(name: str) -> Any:
     """``qkv.examples``, ``qkv.render``, ``qkv.cli``, ``qkv.nn`` (PyTorch) and
-    ``qkv.positional`` load on first use."""
+    ``qkv.positional`` load on first use, as does ``qkv.flex_attention`` (PyTorch)."""
     if name in _SUBMODULES:
         return import_module(f"qkv.{name}")
+    if name == "flex_attention":
+        return import_module("qkv.kernels").flex_attention
     raise AttributeError(f"module 'qkv' has no attribute {name!r}")
 
 
@@ -52,6 +54,7 @@ __all__ = [
     "__version__",
     "current_trace",
     "explain_dispatch",
+    "flex_attention",
     "masks",
     "merge_heads",
     "multi_head_attention",

@@ -23,6 +23,7 @@ TINY = _suite.Settings(
     trace_length=128,
     repeats=1,
     quick=True,
+    train_length=128,
 )
 
 
@@ -108,8 +109,9 @@ def test_a_full_small_run_writes_the_page_and_plots(
     page = tmp_path / "benchmarks.md"
     assert main(["bench", "--quick", "--output", str(page)]) == 0
     text = page.read_text(encoding="utf-8")
-    for title in ("Structured masks", "Forward + backward", "One decoding step"):
+    for title in ("Structured masks", "Forward + backward", "One decoding step", "Targets"):
         assert title in text
+    assert "flex-compiled" in text and "compile s" in text
     assert (tmp_path / "img" / "bench-masks.png").exists()
     assert "wrote" in capsys.readouterr().err
 
@@ -129,3 +131,68 @@ def test_peak_memory_sees_a_tensor_allocated_and_freed() -> None:
     added, total = map(int, result.stdout.split())
     assert total == 16_000_000
     assert 50_000_000 < added < 200_000_000
+
+
+# -- honest peers: compiled FlexAttention, fwd+bwd against SDPA, the targets (issue 14) --------
+
+
+@pytest.mark.parametrize("kind", _suite.MASK_KINDS)
+def test_the_block_mask_given_to_compiled_flex_allows_the_pairs_of_qkvs_mask(kind: str) -> None:
+    """The BlockMask built from qkv's block structure has the blocks create_block_mask finds,
+    and its mask_mod allows the pairs of qkv's rule: the two peers compute the same thing."""
+    import array_api_compat.torch as torch_xp
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask
+
+    length = 700
+    rule, allowed = _suite._structured(kind, length)
+    mask_mod = _suite.torch_mask_mod(kind, length)
+    ours = _measure.flex_block_mask(rule, mask_mod, length)
+    theirs = create_block_mask(mask_mod, None, None, length, length, device="cpu")
+    assert torch.equal(ours.to_dense(), theirs.to_dense())
+    dense = rule.dense(length, length, xp=torch_xp)
+    assert torch.equal(create_mask(mask_mod, 1, 1, length, length, device="cpu"), dense)
+    assert abs(int(dense.sum()) / length**2 - allowed) < 1e-12
+
+
+def _rows(key: str, case: str, tiled: float, peer: str, seconds: float) -> _suite.Table:
+    table = _suite.Table(key, key, peer)
+    table.rows = [
+        _suite.Row(case, 4096, peer, seconds, 1e9),
+        _suite.Row(case, 4096, "tiled", tiled, 1e9),
+    ]
+    _measure.ratios(table.rows, peer)
+    return table
+
+
+def test_targets_are_read_from_the_ratios_of_the_same_run() -> None:
+    masks = _rows("masks", "window", 0.9, "flex-compiled", 1.0)
+    backward = _rows("backward", "causal", 1.2, "sdpa-flash", 1.0)
+    targets = _suite.targets_table([masks, backward])
+    assert targets is not None
+    head, rows = _tables.cells(targets, rate=200.0)
+    assert head == ["target", "N", "ratio", "goal", "met"]
+    assert rows == [
+        ["window: tiled ÷ flex-compiled", "4096", "0.90", "≤ 1.00", "yes"],
+        ["causal fwd+bwd: tiled ÷ sdpa-flash", "4096", "1.20", "≤ 1.05", "no"],
+    ]
+    dense = _suite.targets_table([_table()])  # the forward at N = 1024 against SDPA
+    assert dense is not None and _tables.cells(dense, 200.0)[1] == [
+        ["dense forward: tiled ÷ sdpa-flash", "1024", "1.20", "≤ 1.20", "yes"]
+    ]
+    assert _suite.targets_table([_rows("decode", "decode", 1.0, "recompute", 1.0)]) is None
+
+
+def test_masks_table_shows_compile_time_apart() -> None:
+    table = _rows("masks", "documents", 0.5, "flex-compiled", 0.4)
+    table.rows[0].compile_seconds = 9.25
+    head, rows = _tables.cells(table, rate=200.0)
+    assert head[-1] == "compile s" and head[4] == "ratio"
+    assert rows[0][-1] == "9.2" and rows[1][-1] == ""  # compiled flex's first call, apart
+    assert rows[1][4] == "1.25"
+
+
+def test_settings_measure_masks_at_4096_and_the_longest() -> None:
+    assert _suite.Settings().mask_lengths == (4096, 16384)
+    assert _suite.Settings.quick_run().mask_lengths == (4096,)
+    assert TINY.mask_lengths == (512,)

@@ -185,8 +185,10 @@ def test_tokens_names_and_layers_are_escaped() -> None:
     trace.tokens = HOSTILE
     trace.meta["name"] = HOSTILE[0]
     trace.meta["description"] = HOSTILE[1]
-    for step in trace.steps:
-        step.layer = HOSTILE[2]
+    saved = trace.to_dict()  # a layer name from a file anyone may write
+    for record in [*saved["calls"], *saved["steps"]]:
+        record["layer"] = HOSTILE[2]
+    trace = qkv.Trace.from_dict(saved)
     page = render.html(trace)
     for text in HOSTILE:
         assert text not in page

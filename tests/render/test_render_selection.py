@@ -96,8 +96,9 @@ def test_selected_heads_and_query_are_titled_and_labelled_by_their_original_numb
     assert "Head 3 of 4 (key/value head 2 of 2)" in text
     assert "Head 4 of 4 (key/value head 2 of 2)" in text
     assert "Head 1 of" not in text and "Head 2 of" not in text
-    assert "4 (2 key/value heads: grouped-query attention); recorded: 3, 4" in text
-    assert "queries  the#4; recorded: rows 4 (numbered from 0)" in text
+    words = " ".join(text.split())  # the header wraps at 80 columns
+    assert "4 (2 key/value heads: grouped-query attention); recorded: head 3 and head 4" in words
+    assert "queries  recorded: rows the#4" in text
     # the kept query is the 5th token ("the" at position 4), never the 1st one
     assert "\nthe#4 " in text and "c_the#4 = " in text and "q_the#4·k_the#0 = " in text
     assert "c_the#0" not in text and "\nt0 " not in text
@@ -148,8 +149,8 @@ def test_a_single_selected_head_gets_its_own_section() -> None:
     text = render.text(gqa_trace(heads=[1], queries=[0, -1]), width=100)
     assert "Inputs" in text and "Combining the heads" in text
     assert "Head 2 of 4 (key/value head 1 of 2)" in text
-    assert "recorded: 2 (numbered from 1)" in text
-    assert "recorded: rows 0, 4 (numbered from 0)" in text
+    assert "recorded: head 2" in text
+    assert "recorded: rows the#0 and the#4" in text
 
 
 def test_selecting_every_head_renders_exactly_as_no_selection() -> None:
@@ -197,7 +198,7 @@ def test_json_keeps_the_original_indices_and_renders_the_same_when_read_back() -
 
 def test_positions_label_the_query_when_there_are_no_tokens() -> None:
     text = render.text(gqa_trace(heads=[2], queries=[-1], tokens=False), width=80)
-    assert "queries  recorded: rows 4 (numbered from 0)" in text
+    assert "queries  recorded: rows t4" in text
     assert "\nt4 " in text and "c_t4 = " in text and "\nt0 " in text  # t0: a key, an embedding
     assert "c_t0" not in text
 
@@ -263,7 +264,7 @@ def test_a_trace_built_by_hand_names_query_99_of_100_and_head_6() -> None:
     assert head.title == "Head 6 of 8"
     table = head.steps[0].table
     assert table is not None and table.rows == ("w99",) and table.columns[0] == "w0"
-    assert "recorded: 6 (numbered from 1)" in render.text(trace)
+    assert "recorded: head 6" in render.text(trace)
     # without the number of heads, the head is still head 6
     trace.meta = {}
     assert [s.title for s in render.narrate(trace).sections if s.title] == ["Head 6"]
@@ -325,8 +326,8 @@ def test_html_page_selector_rows_and_query_menu_use_the_original_numbers() -> No
             if step.get("colAxis") == "key":
                 assert data["labels"][step["cols"]] == ["the#0", "cat", "sat", "on", "the#4"]
     facts = dict(call["facts"])
-    assert facts["heads"].endswith("recorded: 3, 4 (numbered from 1)")
-    assert facts["queries"] == "cat, the#4; recorded: rows 1, 4 (numbered from 0)"
+    assert facts["heads"].endswith("recorded: head 3 and head 4")
+    assert facts["queries"] == "recorded: rows cat and the#4"
     # the query the page opens on: asked for by its original position, or by its token
     for wanted in ([4], ["the#4"], [-1]):
         selected.meta["queries"] = wanted
@@ -388,15 +389,15 @@ def test_explain_trace_shows_the_original_heads_and_rows(
     text = out.read_text(encoding="utf-8")
     words = " ".join(text.split())  # facts wrap at 80 columns
     assert "Head 3 of 4 (key/value head 2 of 2)" in text and "Head 1 of" not in text
-    assert "recorded: 3 (numbered from 1)" in words
-    assert "queries recorded: rows 1, 5 (numbered from 0)" in words
+    assert "recorded: head 3" in words
+    assert "queries recorded: rows t1 and t5" in words
     assert "c_t5 = " in text and "\nt5 " in text
     # --query picks a recorded row by its original position, or by its label
     for query in ("5", "t5"):
         one = tmp_path / f"one-{query}.txt"
         assert main(["explain", "--trace", str(path), "--query", query, "-o", str(one)]) == 0
         shown = one.read_text(encoding="utf-8")
-        assert "queries  t5 (1 of 2 shown); recorded: rows 1, 5 (numbered from 0)" in shown
+        assert "queries  t5 (1 of 2 shown); recorded: rows t1 and t5" in shown
         assert "c_t5 = " in shown and "c_t1 = " not in shown
     page = tmp_path / "page.html"
     assert main(["explain", "--trace", str(path), "--html", str(page), "-o", str(out)]) == 0

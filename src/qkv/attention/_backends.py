@@ -94,6 +94,8 @@ def _sdpa_refusal(call: Call, auto: bool) -> str | None:
         return "dropout: torch draws its own random numbers, not qkv's generator pattern"
     if options.score_mod is not None:
         return "a score_mod: torch takes only a mask and an additive bias"
+    if options.sinks is not None:
+        return "attention sinks: torch's fused kernel has no sink logit (the tiled kernel has)"
     bias = options.bias
     if bias is not None and getattr(bias, "requires_grad", False):
         return "a bias that needs a gradient"
@@ -147,8 +149,10 @@ def _run_sdpa(call: Call) -> tuple[Array, Array | None]:
     if options.masked or options.bias is not None:
         import torch
 
-        finite_in = torch.isfinite(call.query).all() & torch.isfinite(call.key).all()
-        if not bool(torch.isfinite(out).all() & finite_in):
+        # One reduction per tensor and one host sync: a sum is finite only when every entry
+        # is (a finite sum that overflows errs on the safe side: the tiled kernel redoes it).
+        sums = (out.sum(), call.query.sum(), call.key.sum())
+        if not bool(torch.isfinite(torch.stack(sums)).all()):
             # torch lets a NaN or ±inf of a masked-out key reach every output (and its
             # gradient), and gives zeros to a row whose scores are all NaN; redo the call with
             # the tiled kernel, which keeps masked NaN out and lets live NaN through.
@@ -177,6 +181,7 @@ def _run_tiled(call: Call) -> tuple[Array, Array | None]:
         scale=options.scale_for(int(call.query.shape[-1])),
         dropout_p=options.dropout_p,
         seed=options.seed,
+        sinks=options.sinks,
     )
     return _three(out, call.lead), None
 

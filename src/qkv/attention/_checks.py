@@ -184,6 +184,33 @@ def check_bias(bias: Array | None, query: Array, scores_shape: Sequence[int]) ->
     )
 
 
+def check_sinks(sinks: Any, query: Array, heads: int) -> Array:
+    """``sinks``: per-head sink logits of shape (H,), floating, finite or −inf; returned as
+    an array of the query's library."""
+    sinks = as_array(sinks, "sinks")
+    namespace([("query", query), ("sinks", sinks)])  # same library and device
+    if not is_floating(sinks):
+        raise TypeError(
+            f"sinks must have a floating-point dtype, got {dtype_name(sinks)}. Hint: one "
+            "logit per head, e.g. torch.zeros(H) or an nn.Parameter of shape (H,)."
+        )
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(
+            f"sinks must have shape ({heads},), one logit per query head; got "
+            f"{shape_str(sinks.shape)}. Hint: under grouped-query attention each query head "
+            "has its own sink; a layout without a head axis has one."
+        )
+    values = sinks.detach() if hasattr(sinks, "detach") else sinks
+    xp = namespace([("sinks", values)])
+    if bool(xp.any(xp.isnan(values) | (xp.isinf(values) & (values > 0)))):
+        raise ValueError(
+            "sinks must be finite or −inf (no sink), got NaN or +inf in "
+            f"{shape_str(sinks.shape)} sinks. Hint: a sink of +inf would take every row's "
+            "whole attention; check the parameter for a diverged update."
+        )
+    return sinks
+
+
 def _legend(ndim: int) -> str:
     letters = ("B", "H", "Lq", "Lk")
     if ndim <= 4:

@@ -240,6 +240,7 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
     dropout_p: float = 0.0,
     generator: Any = None,
+    sinks: Array | None = None,
     return_weights: bool = False,
     trace: Trace | None = None,
     backend: BackendName = "auto",
@@ -275,6 +276,11 @@ def scaled_dot_product_attention(
         generator: random source for dropout: a ``numpy.random.Generator``, a
             ``torch.Generator`` or an int seed. One seed is drawn per call and the dropped
             weights follow :func:`qkv.masks.dropout_keep`, the same on every backend.
+        sinks: per-head attention-sink logits, shape (H,) (often a learnable parameter):
+            A_ij = exp(S'_ij) / (Σ_j exp(S'_ij) + exp(sink_h)), so each row sums to less
+            than 1; a fully masked row then gives all its attention to the sink (zeros), a
+            −inf sink is no sink. Gradients reach the sinks on the reference and tiled
+            backends.
         return_weights: also return the attention weights (before dropout).
         trace: record every step into this :class:`qkv.Trace` (default: the enclosing
             :func:`qkv.tracing` block, if any). When the (Lq, Lk) steps would not fit in
@@ -315,6 +321,7 @@ def scaled_dot_product_attention(
         enable_gqa=enable_gqa,
         dropout_p=dropout_p,
         generator=generator,
+        sinks=sinks,
         return_weights=return_weights,
         trace=trace,
     )

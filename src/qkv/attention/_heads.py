@@ -62,6 +62,7 @@ def multi_head_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     generator: Any = None,
+    sinks: Array | None = None,
     return_weights: bool = False,
     trace: Trace | None = None,
     backend: BackendName = "auto",
@@ -83,7 +84,7 @@ def multi_head_attention(
             (..., Lk, Ekv); default ``x`` (self-attention).
         b_q, b_k, b_v, b_o: optional projection biases, of the projections' output widths.
         mask, bias, score_mod, is_causal, causal_alignment, scale, dropout_p, generator,
-            backend: as in :func:`qkv.scaled_dot_product_attention`, with scores of shape
+            sinks, backend: as in :func:`qkv.scaled_dot_product_attention`, with scores of shape
             (..., H, Lq, Lk).
         return_weights: also return the attention weights (..., H, Lq, Lk).
         trace: record every step (embeddings, W_q, …, per-head steps, concat, output).
@@ -165,6 +166,7 @@ def multi_head_attention(
         enable_gqa=kv_heads != heads,
         dropout_p=dropout_p,
         generator=generator,
+        sinks=sinks,
         return_weights=return_weights,
         trace=trace,
         lead=lead,

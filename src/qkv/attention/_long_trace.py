@@ -110,6 +110,9 @@ def _record_rows(call: Call, trace: Trace, positions: Positions, context: Array)
             )
         else:  # already cut to the selection: added as it is, with the rows it holds
             trace.add(replace(step, index=index))
+    sink = partial.meta.get("sink")
+    if sink is not None:  # the share of the selected rows: say which, as the steps do
+        sink["index"] = index
     # The facts as the rows' own call gave them (num_heads counts the heads recorded).
     trace.end_call(**partial.meta)
 

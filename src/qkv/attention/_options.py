@@ -45,6 +45,9 @@ class Options:
         enable_gqa: H may be a multiple of Hkv.
         dropout_p: the probability of dropping a weight.
         seed: the dropout seed, drawn once per call (None without dropout).
+        sinks: per-head sink logits, shape (H,) (one per query head), or None: each row's
+            softmax gets one more term exp(sink_h) in its denominator, for a key whose value
+            is 0, so the weights of a row sum to less than 1 (a −inf sink is no sink).
     """
 
     mask: Array | Mask | None = None
@@ -56,6 +59,7 @@ class Options:
     enable_gqa: bool = False
     dropout_p: float = 0.0
     seed: int | None = None
+    sinks: Array | None = None
 
     @cached_property
     def rule(self) -> Mask | None:
@@ -149,6 +153,17 @@ class Recorder:
             axes=(*lead, *axes),
         )
 
+    def sink(self, share: Array, lead: tuple[str, ...], sinks: Array) -> None:
+        """Record the share of attention each row gives to the sink, (…lead, Lq), and the
+        sink logits, into the call's meta as ``sink`` (see :meth:`qkv.Trace.note_sink`)."""
+        if self.trace is None:
+            return
+        axes = (*lead, "query")
+        if self.squeeze_heads and lead and lead[-1] == "head":
+            share = share[..., 0, :]
+            axes = (*lead[:-1], "query")
+        self.trace.note_sink(share, axes, sink_logits(sinks))
+
     def facts(
         self,
         query: Array,
@@ -161,6 +176,8 @@ class Recorder:
         causality, mask), which also go into the trace's meta."""
         if self.trace is None:
             return
+        if options.sinks is None:
+            self.trace.meta.pop("sink", None)  # a sink of an earlier call
         self.trace.end_call(**call_facts(query, key, value, lead, options))
 
 
@@ -191,6 +208,14 @@ def call_facts(
     if options.score_mod is not None:
         facts["score_mod"] = repr(options.score_mod)
     return facts
+
+
+def sink_logits(sinks: Array) -> list[float]:
+    """The sink logits as plain floats (for a trace's meta)."""
+    values = sinks.detach() if hasattr(sinks, "detach") else sinks
+    if hasattr(values, "cpu"):
+        values = values.cpu()
+    return [float(x) for x in values.tolist()]
 
 
 def _describe_mask(mask: Array | Mask) -> str:
@@ -256,6 +281,7 @@ def make_call(
     enable_gqa: bool = False,
     dropout_p: float = 0.0,
     generator: Any = None,
+    sinks: Array | None = None,
     return_weights: bool = False,
     trace: Trace | None = None,
     lead: tuple[str, ...] | None = None,
@@ -274,6 +300,10 @@ def make_call(
     _checks.check_mask(mask, query, scores_shape)
     bias = None if bias is None else as_array(bias, "bias")
     _checks.check_bias(bias, query, scores_shape)
+    if lead is None:
+        lead = default_lead(query.ndim, enable_gqa=enable_gqa)
+    heads = int(query.shape[-3]) if "head" in lead else 1
+    sinks = None if sinks is None else _checks.check_sinks(sinks, query, heads)
     seed = None
     if dropout_p > 0:
         seed = draw_seed(generator, torch_inputs=library(query) == "torch")
@@ -287,8 +317,7 @@ def make_call(
         enable_gqa=bool(enable_gqa),
         dropout_p=float(dropout_p),
         seed=seed,
+        sinks=sinks,
     )
     recorder = Recorder(resolve(trace), formulas or _NO_FORMULAS, squeeze_heads)
-    if lead is None:
-        lead = default_lead(query.ndim, enable_gqa=enable_gqa)
     return Call(xp, query, key, value, lead, options, bool(return_weights), recorder)

@@ -16,7 +16,9 @@ The algorithm, step by step (each step is recorded in the trace under its name):
     bias    S' = S' + bias            when a bias is given
             S' = score_mod(S', b, h, i, j)   when a score modifier is given (ALiBi, softcap)
     masked  S' = S' where allowed, −∞ elsewhere
-    weights A  = softmax(S') row by row (a row with no allowed key: all zeros)
+    weights A  = softmax(S') row by row (a row with no allowed key: all zeros); with sinks,
+               A_ij = exp(S'_ij) / (Σ_j exp(S'_ij) + exp(sink_h)): the sink is one more key
+               with score sink_h and value 0, so a row sums to less than 1
     dropout A  = A · keep / (1 − p)   when dropout_p > 0 (keep: qkv.masks.dropout_keep)
     context C  = A·V
 
@@ -173,7 +175,7 @@ def attend(
     where = _Where(xp, lead, scores_shape, device(query), recorder.positions)
     out_dtype = query.dtype
     dtype = compute_dtype(xp, query)
-    q, k, v = (xp.astype(a, dtype) for a in (query, key, value))
+    q, k, v = (xp.astype(a, dtype, copy=False) for a in (query, key, value))
     scale = options.scale_for(d_k)
 
     def record(name: str, x: Array, axes: tuple[str, ...], **kw: Any) -> None:
@@ -214,7 +216,15 @@ def attend(
         scaled = xp.where(allowed, scaled, xp.asarray(-xp.inf, dtype=dtype, device=device(q)))
         record("masked", scaled, ("query", "key"))
 
-    weights = _softmax(xp, scaled)  # (..., H, Lq, Lk)
+    if options.sinks is None:
+        weights = _softmax(xp, scaled)  # (..., H, Lq, Lk)
+    else:
+        # The sink: one more key, with score sink_h and value 0, in every row of head h.
+        sink = where.sink_column(options.sinks, dtype)  # (..., H, Lq, 1)
+        with_sink = _softmax(xp, xp.concat([scaled, sink], axis=-1))
+        weights = with_sink[..., :-1]  # rows sum to 1 − the sink's share
+        if recorder.trace is not None:
+            recorder.sink(with_sink[..., -1], lead, options.sinks)
     record("weights", weights, ("query", "key"))
     used = weights
     if options.dropout_p > 0 and options.seed is not None:
@@ -272,6 +282,20 @@ class _Where:
             else xp.asarray(values, device=self.dev)
         )
         return xp.reshape(found, tuple(shape))
+
+    def sink_column(self, sinks: Array, dtype: Any) -> Array:
+        """The sink logits (H,) as a column laid out like the scores, (..., H, Lq, 1): the
+        rows of head h get sink_h (the selected heads' sinks for a partial trace)."""
+        xp = self.xp
+        sinks = xp.astype(sinks, dtype)
+        heads = None if self.positions is None else self.positions.heads
+        if heads is not None:
+            sinks = xp.take(sinks, xp.asarray(heads, device=self.dev), axis=0)
+        shape = [1] * len(self.shape)
+        if "head" in self.lead:
+            shape[self.lead.index("head")] = int(sinks.shape[0])
+        column = xp.reshape(sinks, tuple(shape))
+        return xp.broadcast_to(column, (*self.shape[:-1], 1))
 
     def evaluate(self, rule: Mask | ScoreMod, scores: Array | None = None) -> Array:
         """A Mask rule's booleans, or a ScoreMod applied to ``scores``."""

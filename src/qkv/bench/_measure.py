@@ -13,7 +13,10 @@ each repeat; the median of the repeats is kept).
 Peers: the tiled kernel (``qkv.kernels.tiled_attention``); torch's SDPA with the CPU flash
 kernel and with the math kernel (``torch.nn.attention.sdpa_kernel``); naive attention that
 materialises softmax(Q·Kᵀ/√d)·V in PyTorch and in NumPy; FlexAttention in eager mode (no
-``torch.compile``). Slow peers run only at the lengths where they finish in seconds.
+``torch.compile``). Slow peers run only at the lengths where they finish in seconds. For the
+structured masks, the real peer is FlexAttention under ``torch.compile``
+(:func:`compiled_flex`, given a ``BlockMask`` built from qkv's own block structure by
+:func:`flex_block_mask`); its compile time is measured apart from its time.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ __all__ = [
     "Inputs",
     "Peer",
     "causal_share",
+    "compiled_flex",
+    "flex_block_mask",
     "forward_flops",
     "gemm_rate",
     "inputs",
@@ -144,6 +149,42 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> An
 
 def _tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Any:
     return tiled_attention(q, k, v, is_causal=causal)
+
+
+def flex_block_mask(rule: Any, mask_mod: Callable[..., Any], length: int, block: int = 128) -> Any:
+    """A torch ``BlockMask`` for compiled FlexAttention from a qkv mask's own block structure
+    (:meth:`qkv.masks.Mask.blocks`: no (N, N) evaluation) and the same rule as a torch
+    ``mask_mod``, applied by FlexAttention in the partial blocks only."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from qkv.masks import FULL, PARTIAL
+
+    kinds = torch.from_numpy(rule.blocks(length, length, block, block)[:1, :1].copy())
+
+    def ordered(kind: int) -> tuple[torch.Tensor, torch.Tensor]:
+        chosen = kinds == kind  # (1, 1, nq, nk)
+        order = torch.argsort((~chosen).to(torch.int8), dim=-1, stable=True)
+        return chosen.sum(-1).to(torch.int32), order.to(torch.int32)
+
+    partial_num, partial_idx = ordered(PARTIAL)
+    full_num, full_idx = ordered(FULL)
+    return BlockMask.from_kv_blocks(
+        partial_num,
+        partial_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=block,
+        mask_mod=mask_mod,
+        seq_lengths=(length, length),
+    )
+
+
+def compiled_flex() -> Callable[..., Any]:
+    """torch's ``flex_attention`` under ``torch.compile`` (compiled on its first call)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    compiled: Callable[..., Any] = torch.compile(flex_attention)
+    return compiled
 
 
 PEERS: dict[str, tuple[Peer, int]] = {

@@ -1,5 +1,5 @@
 """The plots of ``qkv bench``: time against length for the dense section, time and peak
-memory per peer for the structured masks (PNG, with matplotlib)."""
+memory per peer for the structured masks at each length (PNG, with matplotlib)."""
 
 from __future__ import annotations
 
@@ -50,23 +50,23 @@ def plot(table: Table, path: Path) -> None:
             drawn[-1].legend(fontsize=8)
     else:
         fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-        kinds = list(dict.fromkeys(r.case for r in table.rows))
+        kinds = list(dict.fromkeys((r.case, r.length) for r in table.rows))
         names = list(dict.fromkeys(r.peer for r in table.rows))
         width = 0.8 / len(names)
+
+        def value(case: tuple[str, int], peer: str, memory: bool) -> float:
+            for r in table.rows:
+                if (r.case, r.length) == case and r.peer == peer:
+                    return float((r.memory or 0) / 2**20 if memory else (r.seconds or 0.0) * 1e3)
+            return 0.0  # a peer that does not run this case (SDPA's causal kernel)
+
         for i, peer in enumerate(names):
             positions = [c + i * width for c in range(len(kinds))]
-            seconds = [
-                next((r.seconds or 0.0) for r in table.rows if r.case == c and r.peer == peer)
-                for c in kinds
-            ]
-            memory = [
-                next((r.memory or 0) for r in table.rows if r.case == c and r.peer == peer)
-                for c in kinds
-            ]
-            axes[0].bar(positions, [s * 1e3 for s in seconds], width, label=peer)
-            axes[1].bar(positions, [m / 2**20 for m in memory], width, label=peer)
+            axes[0].bar(positions, [value(c, peer, False) for c in kinds], width, label=peer)
+            axes[1].bar(positions, [value(c, peer, True) for c in kinds], width, label=peer)
+        labels = [f"{case}\n{length}" for case, length in kinds]
         for ax, label in zip(axes, ("time (ms)", "peak memory added (MiB)"), strict=True):
-            ax.set_xticks([c + 0.4 - width / 2 for c in range(len(kinds))], kinds)
+            ax.set_xticks([c + 0.4 - width / 2 for c in range(len(kinds))], labels, fontsize=7)
             ax.set_yscale("log")
             ax.set_ylabel(label)
             ax.grid(True, axis="y", which="both", alpha=0.3)

@@ -13,7 +13,12 @@ __all__ = ["Row", "Settings", "Table"]
 
 @dataclass(frozen=True)
 class Settings:
-    """What to measure: lengths and repeats (``quick`` for a run under a minute)."""
+    """What to measure: lengths and repeats (``quick`` for a run of about a minute).
+
+    ``mask_length`` is the longest length of the structured masks; they are also measured
+    at 4096 when that is shorter (:attr:`mask_lengths`). ``train_length``: the forward +
+    backward against SDPA.
+    """
 
     lengths: tuple[int, ...] = (1024, 4096, 16384)
     mask_length: int = 16384
@@ -23,10 +28,21 @@ class Settings:
     repeats: int = 3
     threads: int = 0  # 0: PyTorch's default
     quick: bool = False
+    train_length: int = 4096
 
     @classmethod
     def quick_run(cls) -> Settings:
-        return cls((512, 1024, 2048), 4096, 4096, 4096, 2048, 2, quick=True)
+        return cls((512, 1024, 2048), 4096, 4096, 4096, 2048, 2, quick=True, train_length=2048)
+
+    @property
+    def mask_lengths(self) -> tuple[int, ...]:
+        """The lengths of the structured-mask section: 4096 and ``mask_length``.
+
+        Example:
+            >>> Settings().mask_lengths, Settings.quick_run().mask_lengths
+            ((4096, 16384), (4096,))
+        """
+        return tuple(sorted({min(4096, self.mask_length), self.mask_length}))
 
 
 @dataclass
@@ -42,6 +58,7 @@ class Row:
     ratio: float | None = None  # seconds / the table's reference peer's seconds
     memory_ratio: float | None = None
     note: str = ""
+    compile_seconds: float | None = None  # torch.compile's first call, apart from the time
 
 
 @dataclass

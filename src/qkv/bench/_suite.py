@@ -28,6 +28,8 @@ from qkv.bench._measure import (
     HEADS,
     PEERS,
     causal_share,
+    compiled_flex,
+    flex_block_mask,
     forward_flops,
     gemm_rate,
     inputs,
@@ -44,7 +46,19 @@ from qkv.masks import Mask, document, sliding_window
 from qkv.masks import causal as causal_rule
 from qkv.nn import KVCache
 
-__all__ = ["SECTIONS", "Row", "Settings", "Table", "gemm_rate", "machine", "run_suite", "ticks"]
+__all__ = [
+    "MASK_KINDS",
+    "SECTIONS",
+    "Row",
+    "Settings",
+    "Table",
+    "gemm_rate",
+    "machine",
+    "run_suite",
+    "targets_table",
+    "ticks",
+    "torch_mask_mod",
+]
 
 # -- sections ------------------------------------------------------------------------------
 
@@ -76,28 +90,69 @@ def dense_section(settings: Settings, tick: Callable[[], None]) -> Table:
     return table
 
 
+MASK_KINDS = ("causal", "window", "documents")
+"""The structured masks: causal, a sliding window of 512 keys, 16 causal documents."""
+
+WINDOW, DOCUMENTS = 512, 16
+
+
+def _document_ids(length: int) -> np.ndarray:
+    return np.repeat(np.arange(DOCUMENTS), -(-length // DOCUMENTS))[:length]
+
+
 def _structured(kind: str, length: int) -> tuple[Mask, float]:
     """The mask of a structured case and its share of allowed pairs."""
+    if kind == "causal":
+        return causal_rule(), causal_share(length)
     if kind == "window":
-        rule = sliding_window(511)  # w = 512 keys: itself and the 511 before
-        allowed = sum(min(i + 1, 512) for i in range(length)) / length**2
+        rule = sliding_window(WINDOW - 1)  # w = 512 keys: itself and the 511 before
+        allowed = sum(min(i + 1, WINDOW) for i in range(length)) / length**2
         return rule, allowed
-    documents = 16
-    ids = np.repeat(np.arange(documents), -(-length // documents))[:length]
+    ids = _document_ids(length)
     rule = document(ids) & causal_rule()
     sizes = np.bincount(ids)
     return rule, float(sum(s * (s + 1) / 2 for s in sizes)) / length**2
 
 
+def torch_mask_mod(kind: str, length: int) -> Callable[..., Any]:
+    """The rule of a structured case as FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)``."""
+    if kind == "causal":
+        return lambda b, h, i, j: i >= j
+    if kind == "window":
+        return lambda b, h, i, j: (i >= j) & (i - j < WINDOW)
+    ids = torch.from_numpy(_document_ids(length))
+    return lambda b, h, i, j: (ids[i] == ids[j]) & (i >= j)
+
+
 def _worker_masks(spec: dict[str, Any]) -> dict[str, Any]:
-    """In a fresh process: time and peak memory of one structured-mask case."""
+    """In a fresh process: time and peak memory of one structured-mask case (for compiled
+    FlexAttention also the compile time: its first call, apart)."""
     length, kind, peer, repeats = spec["length"], spec["kind"], spec["peer"], spec["repeats"]
     q, k, v = inputs(length)
     rule, _ = _structured(kind, length)
+    compile_seconds = None
+    run: Callable[[], Any]
     if peer == "tiled":
 
         def run() -> Any:
             return tiled_attention(q, k, v, mask=rule)
+
+    elif peer == "flex-compiled":
+        block_mask = flex_block_mask(rule, torch_mask_mod(kind, length), length)
+        flex = compiled_flex()
+        try:
+            compile_seconds = timed(lambda: flex(q, k, v, block_mask=block_mask))
+        except Exception as error:  # no C++ compiler, an unsupported platform
+            why = (str(error).splitlines() or [type(error).__name__])[0][:200]
+            return {"seconds": None, "memory": None, "error": why}
+
+        def run() -> Any:
+            return flex(q, k, v, block_mask=block_mask)
+
+    elif peer == "sdpa-flash":  # causal: SDPA's own causal kernel, no mask
+
+        def run() -> Any:
+            return sdpa_peer("flash")(q, k, v, True)
 
     else:
         dense = rule.dense(length, length, xp=_torch_namespace())  # built before: its input
@@ -108,7 +163,7 @@ def _worker_masks(spec: dict[str, Any]) -> dict[str, Any]:
     _warm_up()
     added, _ = peak_memory(run)
     times = [timed(run) for _ in range(max(repeats - 1, 1))]
-    return {"seconds": statistics.median(times), "memory": added}
+    return {"seconds": statistics.median(times), "memory": added, "compile": compile_seconds}
 
 
 def _sdpa_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> Any:
@@ -132,37 +187,117 @@ def _warm_up() -> None:
     _sdpa_masked(q, k, v, torch.ones(64, 64, dtype=torch.bool))
 
 
+def _mask_peers(kind: str) -> tuple[str, ...]:
+    return ("tiled", "flex-compiled", "sdpa-flash" if kind == "causal" else "sdpa-dense-mask")
+
+
 def masks_section(settings: Settings, tick: Callable[[], None]) -> Table:
-    """Sliding window and documents: tiled against SDPA given the equivalent dense mask."""
-    length = settings.mask_length
+    """Causal, sliding window and documents: tiled against compiled FlexAttention (the
+    ratio) and SDPA (its causal kernel, or the equivalent dense mask), at 4096 and longer."""
+    lengths = settings.mask_lengths
     table = Table(
         "masks",
-        f"Structured masks, forward at N={length} (B=1, H=8, D=64)",
-        "sdpa-dense-mask",
+        f"Structured masks, forward at N={', '.join(map(str, lengths))} (B=1, H=8, D=64)",
+        "flex-compiled",
         note=(
-            "sdpa-dense-mask: torch SDPA given the (N, N) boolean mask (built before the call, "
-            "not timed). ratio: time / its time; mem: peak memory added by the call / its. "
-            "Sliding window: w = 512 keys; documents: 16 causal documents packed in one row."
+            "ratio: time / flex-compiled time (torch.compile(flex_attention) with a BlockMask "
+            "of 128-blocks; its first call, compiling, is 'compile s', apart). "
+            "sdpa-dense-mask: torch SDPA given the (N, N) boolean mask, built before the call; "
+            "causal: SDPA's own causal kernel. peak MiB: memory the call adds. Window: w = "
+            f"{WINDOW} keys; documents: {DOCUMENTS} causal documents packed in one row."
         ),
     )
-    for kind in ("window", "documents"):
-        _, allowed = _structured(kind, length)
-        for peer in ("tiled", "sdpa-dense-mask"):
-            spec = {"length": length, "kind": kind, "peer": peer, "repeats": settings.repeats}
-            result = _in_subprocess("masks", spec, settings)
-            table.rows.append(
-                Row(
+    for length in lengths:
+        for kind in MASK_KINDS:
+            _, allowed = _structured(kind, length)
+            for peer in _mask_peers(kind):
+                spec = {"length": length, "kind": kind, "peer": peer, "repeats": settings.repeats}
+                result = _in_subprocess("masks", spec, settings)
+                row = Row(
                     kind,
                     length,
                     peer,
                     result["seconds"],
                     forward_flops(length, length, allowed),
                     result["memory"],
+                    note=result.get("error", ""),
                 )
-            )
-            tick()
-    ratios(table.rows, "sdpa-dense-mask", memory=True)
+                row.compile_seconds = result.get("compile")
+                table.rows.append(row)
+                tick()
+    ratios(table.rows, "flex-compiled")
+    failed = {r.note for r in table.rows if r.note}
+    if failed:
+        table.note += " flex-compiled failed: " + "; ".join(sorted(failed))
     return table
+
+
+def backward_section(settings: Settings, tick: Callable[[], None]) -> Table:
+    """Forward + backward, dense and causal: tiled against SDPA's flash kernel (compiled
+    FlexAttention has no backward on CPU)."""
+    length = settings.train_length
+    table = Table(
+        "backward",
+        f"Forward + backward at N={length} (B=1, H=8, D=64, float32)",
+        "sdpa-flash",
+        note="ratio: time / sdpa-flash time (forward, then the gradients of q, k and v).",
+    )
+    q, k, v = (x.requires_grad_() for x in inputs(length))
+    grad = torch.randn(1, HEADS, length, DIM, generator=torch.Generator().manual_seed(1))
+    flash = sdpa_peer("flash")
+
+    def train(forward: Callable[[], torch.Tensor]) -> Callable[[], Any]:
+        return lambda: torch.autograd.grad(forward(), (q, k, v), grad)
+
+    for causal in (False, True):
+        runs = {
+            "tiled": train(lambda: tiled_attention(q, k, v, is_causal=causal)),  # noqa: B023
+            "sdpa-flash": train(lambda: flash(q, k, v, causal)),  # noqa: B023
+        }
+        seconds_of = medians(runs, settings.repeats)
+        share = causal_share(length) if causal else 1.0
+        for name, seconds in seconds_of.items():
+            flops = 3.5 * forward_flops(length, length, share)
+            table.rows.append(Row("causal" if causal else "dense", length, name, seconds, flops))
+        tick()
+    ratios(table.rows, "sdpa-flash")
+    return table
+
+
+TARGETS: tuple[tuple[str, str, str, str, float], ...] = (
+    # (table, case, what it says, which lengths, goal): tiled's ratio in that table
+    ("masks", "window", "window: tiled ÷ flex-compiled", "mask", 1.0),
+    ("masks", "documents", "documents: tiled ÷ flex-compiled", "mask", 1.0),
+    ("masks", "causal", "causal: tiled ÷ flex-compiled", "mask", 1.0),
+    ("backward", "dense", "dense fwd+bwd: tiled ÷ sdpa-flash", "any", 1.05),
+    ("backward", "causal", "causal fwd+bwd: tiled ÷ sdpa-flash", "any", 1.05),
+    ("dense", "dense", "dense forward: tiled ÷ sdpa-flash", "1024", 1.2),
+    ("dense", "causal", "causal forward: tiled ÷ sdpa-flash", "1024", 1.2),
+)
+
+
+def targets_table(tables: Sequence[Table]) -> Table | None:
+    """The issue's performance targets, read from the ratios of this run's tables (None
+    when no table of this run has one)."""
+    by_key = {t.key: t for t in tables}
+    table = Table(
+        "targets",
+        "Targets: the tiled kernel's time ratios in this run",
+        "",
+        note="met: the ratio is at most the goal. Ratios of the tables above, same run.",
+    )
+    for key, case, what, lengths, goal in TARGETS:
+        if key not in by_key:
+            continue
+        for row in by_key[key].rows:
+            if row.case != case or row.peer != "tiled" or row.ratio is None:
+                continue
+            if lengths == "1024" and row.length != 1024:
+                continue
+            target = Row(what, row.length, "tiled", row.seconds, ratio=row.ratio)
+            target.note = f"{goal:.2f}"
+            table.rows.append(target)
+    return table if table.rows else None
 
 
 def _worker_long(spec: dict[str, Any]) -> dict[str, Any]:
@@ -299,7 +434,8 @@ SECTIONS: dict[
 ] = {
     # name: (the section, how many progress ticks it makes)
     "dense": (dense_section, lambda s: 2 * len(s.lengths)),
-    "masks": (masks_section, lambda s: 4),
+    "masks": (masks_section, lambda s: 3 * len(MASK_KINDS) * len(s.mask_lengths)),
+    "backward": (backward_section, lambda s: 2),
     "long": (long_section, lambda s: 1),
     "trace": (trace_section, lambda s: 1),
     "decode": (decode_section, lambda s: 1),
@@ -315,10 +451,16 @@ def run_suite(
     threads = torch.get_num_threads()
     if settings.threads:
         torch.set_num_threads(settings.threads)
+    done = []
     try:
         for name in sections:
             section, _ = SECTIONS[name]
-            yield section(settings, functools.partial(tick, name))
+            table = section(settings, functools.partial(tick, name))
+            done.append(table)
+            yield table
+        targets = targets_table(done)
+        if targets is not None:
+            yield targets
     finally:
         torch.set_num_threads(threads)
 

@@ -50,6 +50,14 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--text", metavar="TEXT", help="with --model: the sentence to explain")
     parser.add_argument(
+        "--decode",
+        action="store_true",
+        help="show one decoding step with a KV cache: the cached keys and values, the new "
+        "token's query attending all of them (bottom-right alignment), and that it equals "
+        "the last row of the full causal pass; --query picks the new token (default: the "
+        "last); formats text, markdown, json",
+    )
+    parser.add_argument(
         "--layer",
         metavar="NAME",
         help="with --model: which attention layer (default: the self-attention; 'pool' for "
@@ -153,6 +161,9 @@ def _step_list(text: str) -> tuple[str, ...]:
 def _run(args: argparse.Namespace) -> int:
     from qkv import render  # imported here: 'qkv --help' stays fast
 
+    if args.decode:
+        _decode(args)
+        return 0
     if args.model is not None or args.text is not None or args.layer is not None:
         from qkv.cli._train import model_trace  # a trained model: qkv.train, PyTorch
 
@@ -174,13 +185,59 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _example_trace(args: argparse.Namespace) -> Trace:
-    """The trace of ``--example`` (a built-in or a file) with the options given."""
+def _decode(args: argparse.Namespace) -> None:
+    """``--decode``: one decoding step with a KV cache on ``--example``, in ``--format``."""
     from qkv import examples
+    from qkv.render._decode import DECODE_FORMATS, render_decode
 
+    refuse_options(
+        {
+            "--trace": args.trace,
+            "--model": args.model,
+            "--text": args.text,
+            "--layer": args.layer,
+            "--causal": args.causal,
+            "--steps": args.steps,
+            "--plot": args.plot,
+            "--html": args.html,
+            "--verbose": args.verbose,
+        },
+        alongside="--decode",
+        reason="it shows one decoding step of a worked example, causal by construction. "
+        "Hint: qkv explain --decode --example NAME --query TOKEN",
+    )
+    if args.format not in DECODE_FORMATS:
+        raise CommandError(
+            f"--format {args.format}: --decode is shown as {', '.join(DECODE_FORMATS)}, "
+            f"not {args.format}. Hint: --format markdown for a document"
+        )
     example = examples.resolve(args.example or examples.builtin_names()[0])
-    query = args.query
-    if query is not None and query not in example.tokens and _POSITION.fullmatch(query):
+    query = None if args.query is None else _query_of(example, args.query)
+    try:
+        step = examples.decode_step(
+            example, query=query, scale=False if args.no_scale else None, heads=args.heads
+        )
+    except ValueError as error:
+        text = str(error)
+        if text.startswith("query:"):
+            raise CommandError("--query" + text.removeprefix("query")) from None
+        if text.startswith("heads:"):
+            raise CommandError("--heads" + text.removeprefix("heads")) from None
+        raise
+    emit(
+        args,
+        lambda width: render_decode(step, args.format, precision=args.precision, width=width),
+        lambda console: console.out(
+            render_decode(step, "text", precision=args.precision, width=console.width),
+            end="",
+            highlight=False,
+        ),
+    )
+
+
+def _query_of(example: Any, query: str) -> str:
+    """``--query``: a token of the example, or a position (negative counts from the end)."""
+    if query not in example.tokens and _POSITION.fullmatch(query):
         count = len(example.tokens)
         position = int(query)
         if not -count <= position < count:
@@ -190,7 +247,18 @@ def _example_trace(args: argparse.Namespace) -> Trace:
                 f"from -{count} to -1, counted from the end), got {position}. Hint: the "
                 f"tokens are {tokens}" + (", ..." if count > 20 else "")
             )
-        query = str(position % count)
+        return str(position % count)
+    return query
+
+
+def _example_trace(args: argparse.Namespace) -> Trace:
+    """The trace of ``--example`` (a built-in or a file) with the options given."""
+    from qkv import examples
+
+    example = examples.resolve(args.example or examples.builtin_names()[0])
+    query = args.query
+    if query is not None:
+        query = _query_of(example, query)
     try:
         trace = examples.run(
             example,
@@ -406,6 +474,7 @@ COMMAND = Command(
         ("qkv explain --html explain.html", "an interactive page to open in a browser"),
         ("qkv explain --model runs/classify --text 'not bad at all'", "a trained model"),
         ("qkv explain --example two-heads --steps weights,context", "only these steps"),
+        ("qkv explain --decode", "one decoding step with a KV cache = the full pass's last row"),
     ),
     configure=_configure,
     run=_run,

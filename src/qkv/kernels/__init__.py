@@ -4,6 +4,8 @@
   and backward (a custom ``torch.autograd.Function`` that keeps only q, k, v, the output and
   the log-sum-exp), with GQA, bias, dropout, score modifiers and masks whose empty blocks are
   skipped.
+- :func:`flex_attention`: torch's FlexAttention signature (``BlockMask``, ``score_mod``) on
+  the tiled kernel, with a CPU backward.
 - :func:`sdpa_attention`: ``torch.nn.functional.scaled_dot_product_attention`` given qkv's
   masks and policies.
 
@@ -15,12 +17,14 @@ choice (:func:`qkv.explain_dispatch`). This package needs PyTorch (``pip install
 
 from qkv.kernels._api import as_score_mod, huge_bias, tiled_attention
 from qkv.kernels._blocks import BlockPlan, plan_blocks
+from qkv.kernels._flex import flex_attention
 from qkv.kernels._torch_sdpa import dense_mask_elements, sdpa_attention
 
 __all__ = [
     "BlockPlan",
     "as_score_mod",
     "dense_mask_elements",
+    "flex_attention",
     "huge_bias",
     "plan_blocks",
     "sdpa_attention",

@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import array_api_compat.torch as torch_xp
 import torch
 
 from qkv.kernels._blocks import plan_blocks
@@ -13,7 +14,15 @@ from qkv.kernels._tiled import Problem, tiled_function
 from qkv.masks import Mask, ScoreMod, draw_seed, dropout_keep, with_causal
 from qkv.masks._scores import as_score_mod
 
-__all__ = ["HUGE_BIAS", "as_score_mod", "huge_bias", "run_tiled", "tiled_attention"]
+__all__ = [
+    "HUGE_BIAS",
+    "as_score_mod",
+    "captured_tensors",
+    "huge_bias",
+    "run_tiled",
+    "tiled_attention",
+    "with_sinks",
+]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -31,6 +40,7 @@ def tiled_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     generator: Any = None,
+    sinks: torch.Tensor | None = None,
     return_lse: bool = False,
     block_q: int | None = None,
     block_kv: int | None = None,
@@ -41,7 +51,8 @@ def tiled_attention(
     The same result as :func:`qkv.scaled_dot_product_attention` (which calls this kernel
     with ``backend="tiled"``, after checking every argument), without ever holding the
     (Lq, Lk) matrix: memory grows with Lq + Lk, not Lq · Lk. Gradients flow to query, key,
-    value and bias through a backward pass that recomputes each block.
+    value, bias, sinks and the tensors a ``score_mod`` captures (learned ALiBi slopes, a
+    relative-position table) through a backward pass that recomputes each block.
 
     Args:
         query: (B, H, Lq, D). key: (B, Hkv, Lk, D). value: (B, Hkv, Lk, Dv). Hkv divides H
@@ -54,8 +65,11 @@ def tiled_attention(
         is_causal, causal_alignment, scale, dropout_p, generator: as in
             :func:`qkv.scaled_dot_product_attention` (dropout follows
             :func:`qkv.masks.dropout_keep`, the same weights as the reference drops).
+        sinks: per-head sink logits, shape (H,): each row's softmax gets one more term
+            exp(sink_h) (a key with value 0), so its weights sum to less than 1.
         return_lse: also return the log-sum-exp of each row's scaled scores, (B, H, Lq)
-            (−inf for a row with no allowed key).
+            (−inf for a row with no allowed key); with ``sinks``, the sink's term is part
+            of it: log(Σ_j exp(S'_ij) + exp(sink_h)).
         block_q, block_kv: block sizes (default: chosen from the mask's block structure).
         skip_blocks: False evaluates the mask on every block instead of skipping; the
             result is the same to the bit.
@@ -87,6 +101,7 @@ def tiled_attention(
         scale=1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale),
         dropout_p=float(dropout_p),
         seed=draw_seed(generator, torch_inputs=True) if dropout_p > 0 else None,
+        sinks=None if sinks is None else _check_sinks(sinks, query),
         return_lse=return_lse,
         block_q=block_q,
         block_kv=block_kv,
@@ -110,13 +125,19 @@ def run_tiled(
     block_q: int | None = None,
     block_kv: int | None = None,
     skip_blocks: bool = True,
+    sinks: torch.Tensor | None = None,
 ) -> Any:
     """The tiled kernel on checked 4-D inputs, with the options resolved to numbers.
 
     What :func:`tiled_attention` and the dispatcher's ``tiled`` backend both run: ``rule``
     already holds the causal rule (:func:`qkv.masks.with_causal`), ``dense_mask`` and
     ``bias`` have 4 dimensions broadcastable to (B, H, Lq, Lk), ``scale`` is a number and
-    ``seed`` the dropout seed (None without dropout).
+    ``seed`` the dropout seed (None without dropout), ``sinks`` the checked (H,) sink
+    logits or None.
+
+    Tensors that a ``score_mod`` captures and that require grad are found by running it
+    once on a 1 × 1 block (:func:`captured_tensors`) and get their gradients from the
+    backward pass, block by block.
     """
     batch, heads, q_len, _ = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
@@ -161,9 +182,92 @@ def run_tiled(
         huge=huge,
         blocked_scores=blocked,
     )
-    out, lse = tiled_function(q, k, v, bias, problem)
+    captured: tuple[torch.Tensor, ...] = ()
+    if score_mod is not None and torch.is_grad_enabled():
+        captured = captured_tensors(score_mod, query, exclude=(query, key, value, bias, sinks))
+    out, lse = tiled_function(q, k, v, bias, problem, captured)
+    if sinks is not None:
+        out, lse = with_sinks(out, lse, sinks.to(compute))
     out = out.to(dtype)
     return (out, lse) if return_lse else out
+
+
+def with_sinks(
+    out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The context and log-sum-exp of attention with sinks, from those without.
+
+    The sink of head h is one more key with score sink_h and value 0, so with
+    Z_i = exp(lse_i) (the row's sum without the sink), the weights become
+    exp(S'_ij) / (Z_i + exp(sink_h)) and the context O_i · Z_i / (Z_i + exp(sink_h)) =
+    O_i · σ(lse_i − sink_h): O(L) work after the kernel, and exact. Autograd through these
+    few operations gives d(sinks)_h = −Σ_i share_i (dO_i · O'_i) (share_i = σ(sink_h −
+    lse_i), O' the context with the sink) and sends the rest back through the kernel's
+    backward as the gradients of its output and its lse. A fully masked row (lse = −inf)
+    gives zeros; a −inf sink is no sink.
+    """
+    sink = sinks.view(1, -1, 1)
+    real = ~torch.isneginf(sink)
+    finite = torch.where(real, sink, torch.zeros_like(sink))
+    kept = torch.where(real, torch.sigmoid(lse - finite), torch.ones_like(lse))
+    new_lse = torch.where(real, torch.logaddexp(lse, finite), lse)
+    return out * kept.unsqueeze(-1), new_lse
+
+
+def captured_tensors(
+    score_mod: ScoreMod, like: torch.Tensor, *, exclude: tuple[torch.Tensor | None, ...] = ()
+) -> tuple[torch.Tensor, ...]:
+    """The leaf tensors requiring grad that ``score_mod``'s output depends on (learned ALiBi
+    slopes, a bias table, per-head scalars), found by running it on a 1 × 1 block of
+    position 0 and walking the autograd graph of the result.
+
+    A captured tensor computed from a leaf (``slopes = log_slopes.exp()``) leads to the
+    leaf: the backward pass differentiates through that computation for each block.
+    """
+    zero = torch.zeros((1, 1, 1, 1), dtype=torch.long, device=like.device)
+    score = torch.zeros((1, 1, 1, 1), dtype=like.dtype, device=like.device)
+    with torch.enable_grad():
+        try:
+            probe = score_mod(score, zero, zero, zero, zero, 1, 1, torch_xp)
+        except Exception:  # the forward pass reports the modifier's own error
+            return ()  # not callable on one position: assume it captures nothing
+    grad_fn = getattr(probe, "grad_fn", None)
+    found: dict[int, torch.Tensor] = {}
+    skip = {id(t) for t in exclude if t is not None}
+    seen: set[int] = set()
+    stack = [grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor) and id(variable) not in skip:
+            found.setdefault(id(variable), variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return tuple(found.values())
+
+
+def _check_sinks(sinks: Any, query: torch.Tensor) -> torch.Tensor:
+    """``sinks`` for :func:`tiled_attention`: a floating (H,) tensor, finite or −inf."""
+    heads = query.shape[1]
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+        raise TypeError(
+            f"sinks must be a floating-point torch.Tensor of shape ({heads},), got "
+            f"{type(sinks).__name__}. Hint: torch.zeros({heads}) or an nn.Parameter."
+        )
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(
+            f"sinks must have shape ({heads},), one logit per query head; got "
+            f"{tuple(sinks.shape)}. Hint: under grouped-query attention each query head "
+            "has its own sink."
+        )
+    if bool((torch.isnan(sinks) | torch.isposinf(sinks)).any()):
+        raise ValueError(
+            "sinks must be finite or −inf (no sink), got NaN or +inf. Hint: check the "
+            "parameter for a diverged update."
+        )
+    return sinks
 
 
 HUGE_BIAS = 2.0**16

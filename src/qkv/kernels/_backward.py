@@ -49,11 +49,15 @@ def attention_backward(
     grad_lse: torch.Tensor | None,
     problem: Problem,
     need_bias_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """dQ, dK, dV (and dBias) by recomputing each block's weights as exp(S' − lse).
+    captured: tuple[torch.Tensor, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...]]:
+    """dQ, dK, dV (and dBias), and the gradients of the tensors the score modifier captures
+    (``captured``), by recomputing each block's weights as exp(S' − lse).
 
     Each key block is one task: it owns its rows of dK and dV, and adds its share of dQ to
-    a dQ of its thread's own, summed at the end.
+    a dQ of its thread's own, summed at the end. A captured tensor θ gets, block by block,
+    Σ dS · ∂score_mod/∂θ (autograd on the block's modified scores, which exist only for
+    that block): no (Lq, Lk) matrix is ever formed.
     """
     heads, q_len = q.shape[1], q.shape[2]
     kv_len = k.shape[2]
@@ -83,6 +87,8 @@ def attention_backward(
             torch.zeros_like(shared_bias_grad)
             if private_bias and shared_bias_grad is not None
             else shared_bias_grad,
+            captured=captured,
+            d_captured=[torch.zeros_like(t) for t in captured],
         )
 
     tasks: list[Callable[[_Scratch], None]] = []
@@ -126,7 +132,11 @@ def attention_backward(
                 dbias.add_(state.dbias)
     if problem.base2:
         dk.mul_(LN2)  # the query blocks carried a factor log2 e
-    return dq, dk, dv, dbias
+    d_captured = [torch.zeros_like(t) for t in captured]
+    for state in states:
+        for total, part in zip(d_captured, state.d_captured, strict=True):
+            total.add_(part)
+    return dq, dk, dv, dbias, tuple(d_captured)
 
 
 @dataclass
@@ -136,6 +146,8 @@ class _Scratch:
     dq: torch.Tensor  # (B, H, Lq, D): this thread's share of dQ
     dbias: torch.Tensor | None  # the bias gradient (shared unless the bias spans the keys)
     buffers: Buffers = field(default_factory=Buffers)
+    captured: tuple[torch.Tensor, ...] = ()  # tensors the score modifier captures
+    d_captured: list[torch.Tensor] = field(default_factory=list)  # this thread's share
 
 
 @dataclass
@@ -202,7 +214,21 @@ def _backward_column(
         # dS = P ∘ (dP − Δ): 0 where masked (P = 0; V's NaN were replaced by 0).
         d_scores = d_weights.sub_(row_delta).mul_(weights)
         if raw is not None:
-            (d_raw,) = torch.autograd.grad(scores, raw, d_scores.view(scores.shape))
+            wanted = (raw, *scratch.captured)
+            grads = torch.autograd.grad(
+                scores,
+                wanted,
+                d_scores.view(scores.shape),
+                allow_unused=True,
+                # a captured tensor computed from a leaf (slopes = log_slopes.exp()) shares
+                # that computation with every block: keep its graph for the next one
+                retain_graph=bool(scratch.captured),
+            )
+            d_raw = grads[0]
+            assert d_raw is not None
+            for total, part in zip(scratch.d_captured, grads[1:], strict=True):
+                if part is not None:
+                    total.add_(part)
             d_scores = d_raw.reshape(d_scores.shape)
         if scratch.dbias is not None:
             _add_bias_grad(scratch.dbias, d_scores, group, block, heads)

@@ -32,7 +32,10 @@ __all__ = ["Problem", "attention_forward", "tiled_function"]
 
 
 class _TiledAttention(torch.autograd.Function):
-    """Forward and backward of the tiled kernel; saves only q, k, v, (bias,) out and lse."""
+    """Forward and backward of the tiled kernel; saves only q, k, v, (bias,) out and lse.
+
+    ``captured`` are the tensors the score modifier captures (inputs only so that autograd
+    sends them their gradients; the modifier itself reads them)."""
 
     @staticmethod
     def forward(
@@ -42,10 +45,12 @@ class _TiledAttention(torch.autograd.Function):
         v: torch.Tensor,
         bias: torch.Tensor | None,
         problem: Problem,
+        *captured: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse, maxima = attention_forward(q, k, v, bias, problem)
         ctx.save_for_backward(q, k, v, bias, out, lse, maxima)
         ctx.problem = problem
+        ctx.captured = captured
         ctx.set_materialize_grads(False)
         return out, _whole(lse, maxima)
 
@@ -60,10 +65,16 @@ class _TiledAttention(torch.autograd.Function):
         problem = ctx.problem
         if maxima is not None:  # a huge bias: exp(S' − m − log l), m subtracted first
             problem = replace(problem, row_shift=maxima[..., None])
-        dq, dk, dv, dbias = attention_backward(
-            q, k, v, bias, out, lse, grad_out, grad_lse, problem, need_bias
+        captured = tuple(ctx.captured)
+        wanted = tuple(
+            t for t, needed in zip(captured, ctx.needs_input_grad[5:], strict=True) if needed
         )
-        return dq, dk, dv, dbias, None
+        dq, dk, dv, dbias, d_wanted = attention_backward(
+            q, k, v, bias, out, lse, grad_out, grad_lse, problem, need_bias, wanted
+        )
+        found = dict(zip((id(t) for t in wanted), d_wanted, strict=True))
+        d_captured = tuple(found.get(id(t)) for t in captured)
+        return (dq, dk, dv, dbias, None, *d_captured)
 
 
 def _whole(lse: torch.Tensor, maxima: torch.Tensor | None) -> torch.Tensor:
@@ -77,16 +88,18 @@ def tiled_function(
     v: torch.Tensor,
     bias: torch.Tensor | None,
     problem: Problem,
+    captured: tuple[torch.Tensor, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the kernel, through autograd when a gradient is wanted."""
+    """Run the kernel, through autograd when a gradient is wanted (for q, k, v, the bias or
+    a tensor the score modifier captures)."""
     wants_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, bias)
+        t is not None and t.requires_grad for t in (q, k, v, bias, *captured)
     )
     if not wants_grad:
         with torch.no_grad():
             out, lse, maxima = attention_forward(q, k, v, bias, problem)
             return out, _whole(lse, maxima)
     result: tuple[torch.Tensor, torch.Tensor] = _TiledAttention.apply(  # type: ignore[no-untyped-call]
-        q, k, v, bias, problem
+        q, k, v, bias, problem, *captured
     )
     return result

@@ -3,7 +3,8 @@
 - :class:`MultiHeadAttention` - batch-first multi-head attention: self and cross, GQA/MQA,
   RoPE or ALiBi, masks with True = may attend, a KV cache for decoding, and
   ``from_torch`` to take over a ``torch.nn.MultiheadAttention`` with its weights.
-- :class:`KVCache` - keys and values of the tokens seen so far, optionally a sliding window.
+- :class:`KVCache` - keys and values of the tokens seen so far, optionally a sliding window,
+  and with ``track_weights=True`` the attention mass each token received (for eviction).
 - :class:`TransformerBlock` - pre-norm attention and MLP.
 - :func:`masks_from_torch` - torch's True = ignore / additive masks to qkv's True = attend.
 

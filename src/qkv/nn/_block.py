@@ -31,6 +31,7 @@ class TransformerBlock(nn.Module):
         dropout: dropout on the attention weights and on both residual branches.
         bias: biases in the projections and the MLP.
         positional: as in :class:`MultiHeadAttention` (``"rope"``, ``"alibi"``, ...).
+        sinks: learn one attention-sink logit per head (:class:`MultiHeadAttention`).
 
     Example:
         >>> import torch
@@ -49,6 +50,7 @@ class TransformerBlock(nn.Module):
         dropout: float = 0.0,
         bias: bool = True,
         positional: str | RoPE | ALiBi | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         self.attn = MultiHeadAttention(
@@ -58,6 +60,7 @@ class TransformerBlock(nn.Module):
             bias=bias,
             dropout=dropout,
             positional=positional,
+            sinks=sinks,
         )
         hidden = 4 * embed_dim if mlp_dim is None else mlp_dim
         if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1:

@@ -53,10 +53,14 @@ class MultiHeadAttention(nn.Module):
         dropout: probability of dropping an attention weight while training.
         positional: None, ``"rope"`` (half-split pairs), ``"rope-interleaved"``, ``"alibi"``,
             or a :class:`qkv.positional.RoPE` / :class:`qkv.positional.ALiBi` with settings.
+        sinks: learn one attention-sink logit per query head (initialised to 0), as in
+            gpt-oss: each softmax row gets one more term exp(sink_h), so a head may give
+            part of its attention to no token.
 
     Attributes:
         q_proj, k_proj, v_proj, out_proj: the projections (``torch.nn.Linear``); in qkv's
             row-vector convention ``W_q = q_proj.weight.T`` (also the property ``W_q``).
+        sinks: the (H,) sink logits (``nn.Parameter``), or None.
 
     Example:
         >>> import torch
@@ -73,6 +77,7 @@ class MultiHeadAttention(nn.Module):
 
     bias_k: nn.Parameter | None
     bias_v: nn.Parameter | None
+    sinks: nn.Parameter | None
 
     def __init__(
         self,
@@ -86,8 +91,15 @@ class MultiHeadAttention(nn.Module):
         bias: bool = True,
         dropout: float = 0.0,
         positional: str | RoPE | ALiBi | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(sinks, bool):
+            raise TypeError(
+                f"sinks must be True or False, got {type(sinks).__name__}. Hint: sinks=True "
+                "adds a learnable (num_heads,) parameter initialised to 0; a tensor of your "
+                "own goes to qkv.scaled_dot_product_attention(sinks=...)."
+            )
         embed_dim = positive(embed_dim, "embed_dim", "the model width E, e.g. 512")
         num_heads = positive(num_heads, "num_heads", "e.g. 8")
         kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -142,6 +154,10 @@ class MultiHeadAttention(nn.Module):
         self.register_parameter("bias_k", None)
         self.register_parameter("bias_v", None)
         self.add_zero_attn = False
+        if sinks:
+            self.sinks = nn.Parameter(torch.zeros(num_heads))
+        else:
+            self.register_parameter("sinks", None)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -151,6 +167,8 @@ class MultiHeadAttention(nn.Module):
         for linear in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
             if linear.bias is not None:
                 nn.init.zeros_(linear.bias)
+        if self.sinks is not None:
+            nn.init.zeros_(self.sinks)
 
     # -- the weight matrices in qkv's row-vector convention -------------------------------
 
@@ -184,6 +202,8 @@ class MultiHeadAttention(nn.Module):
             text += f", dropout={self.dropout}"
         if self.positional is not None:
             text += f", positional={self.positional}"
+        if self.sinks is not None:
+            text += ", sinks=True"
         return text
 
     @classmethod
@@ -383,11 +403,14 @@ class MultiHeadAttention(nn.Module):
             extra=extra,
             device=query.device,
         )
+        # A cache that tracks weights sums each held key's weights over the decoding steps.
+        track = cache if cache is not None and cache.track_weights else None
         score_mod = None
         if isinstance(self.positional, ALiBi):
             # The dispatcher turns it into an (H, Lq, Lk) bias where that is faster.
             slopes = self.positional.slopes or alibi_slopes(H)
             score_mod = alibi(list(slopes), alignment="bottom-right")
+        wanted = need_weights or track is not None
         out = scaled_dot_product_attention(
             q,
             k,
@@ -399,16 +422,19 @@ class MultiHeadAttention(nn.Module):
             causal_alignment="top-left" if lq == lk else "bottom-right",
             enable_gqa=Hkv != H,
             dropout_p=self.dropout if self.training else 0.0,
-            return_weights=need_weights,
+            sinks=self.sinks,
+            return_weights=wanted,
         )
-        context, weights = out if need_weights else (out, None)  # (B, H, Lq, D)
+        context, weights = out if wanted else (out, None)  # (B, H, Lq, D)
+        if track is not None and weights is not None:
+            track.accumulate(weights)
         concat = context.transpose(1, 2).reshape(batch, lq, H * D)  # (B, Lq, H·D)
         output = self.out_proj(concat)  # (B, Lq, E)
         if trace is not None:
             self._record(trace, "concat", concat, ("batch", "query", "feature"))
             self._record(trace, "W_o", self.W_o, ("feature", "model"))
             self._record(trace, "output", output, ("batch", "query", "model"))
-        return (output, weights) if weights is not None else output
+        return (output, weights) if need_weights and weights is not None else output
 
     def _record(self, trace: Trace, name: str, value: torch.Tensor, axes: tuple[str, ...]) -> None:
         if not trace.wants_step(name):

@@ -7,7 +7,9 @@ sum of the value vectors). The core needs NumPy and rich only.
 
 Pictures: :func:`heatmap` draws one panel per head with matplotlib (``qkv[viz]``) to PNG or
 SVG; :func:`html` writes one self-contained interactive page (head view, every step, context
-vectors as weighted sums) that opens offline in any browser.
+vectors as weighted sums) that opens offline in any browser, and returns it as an
+:class:`HtmlPage` (a ``str`` that Jupyter shows). Every renderer shows a trace call by call,
+as the trace recorded its calls (``trace.calls``), each with its own facts.
 
 Example:
     >>> import numpy as np, qkv
@@ -26,7 +28,7 @@ Example:
 from __future__ import annotations
 
 from qkv.render._heatmap import MATRIX_STEPS, heatmap
-from qkv.render._html import html
+from qkv.render._html import HtmlPage, html
 from qkv.render._json import json
 from qkv.render._latex import latex
 from qkv.render._markdown import markdown
@@ -44,6 +46,7 @@ __all__ = [
     "TITLES",
     "Equation",
     "Fact",
+    "HtmlPage",
     "Math",
     "Narrative",
     "Section",

@@ -20,7 +20,7 @@ import numpy as np
 from qkv._extras import require
 from qkv._format import visible
 from qkv._io import write_atomic
-from qkv.render._narrative import Heads, _index, _labels, _split_calls, query_labels
+from qkv.render._narrative import Heads, _index, _labels, query_labels, trace_calls
 from qkv.render._vocabulary import TITLES
 from qkv.trace import Step, Trace
 
@@ -189,9 +189,9 @@ def _panels(
             f"step must be one of {', '.join(MATRIX_STEPS)} (a value per query and key), "
             f"got {step!r}."
         )
-    calls = _split_calls(trace.steps)
+    calls = trace_calls(trace)
     if layer is None:
-        chosen = [(i, c) for i, c in enumerate(calls) if any(s.name == step for s in c)]
+        chosen = [(i, c) for i, c in enumerate(calls) if step in c]
     elif isinstance(layer, int) and not isinstance(layer, bool):
         if not -len(calls) <= layer < len(calls):
             raise ValueError(
@@ -199,9 +199,9 @@ def _panels(
             )
         chosen = [(layer % len(calls), calls[layer])]
     else:
-        chosen = [(i, c) for i, c in enumerate(calls) if c[0].layer == layer]
+        chosen = [(i, c) for i, c in enumerate(calls) if c.layer == layer]
         if not chosen:
-            names = ", ".join(repr(c[0].layer) for c in calls if c[0].layer) or "none"
+            names = ", ".join(repr(c.layer) for c in calls if c.layer) or "none"
             raise ValueError(f"no layer named {layer!r} in the trace; the layers are {names}.")
     found = [(i, next((s for s in c if s.name == step), None)) for i, c in chosen]
     if not any(s is not None for _, s in found):
@@ -213,7 +213,7 @@ def _panels(
     panels: list[_Panel] = []
     several = len(found) > 1
     for row, (index, recorded_step) in enumerate((i, s) for i, s in found if s is not None):
-        name = calls[index][0].layer or f"call {index + 1}"
+        name = calls[index].layer or f"call {index + 1}"
         numbers = Heads(trace, calls[index]).numbers  # original head numbers, 0-based
         for column, head in enumerate(_heads(recorded_step, heads, numbers)):
             matrix, qs, ks = _matrix(trace, recorded_step, head)

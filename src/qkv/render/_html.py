@@ -23,6 +23,7 @@ text and runs nothing.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 import os
@@ -40,11 +41,11 @@ from qkv.render._narrative import (
     Heads,
     _index,
     _size,
-    _split_calls,
     narrate,
     query_position,
+    trace_calls,
 )
-from qkv.trace import STEP_NAMES, Step, Trace
+from qkv.trace import STEP_NAMES, Step, Trace, TraceCall
 
 __all__ = ["MAX_VALUES", "HtmlPage", "html", "notebook_html"]
 
@@ -163,7 +164,7 @@ def page_data(
             "the trace has no steps to show. Hint: record one with `with qkv.tracing() as t:` "
             "around an attention call, or pass trace=qkv.Trace()."
         )
-    calls = _select_calls(trace, _split_calls(trace.steps), layers)
+    calls = _select_calls(trace_calls(trace), layers)
     if steps is not None:
         calls = _keep_steps(trace, calls, steps)
     total = sum(_numbers_shown(call) for _, call in calls)
@@ -174,7 +175,7 @@ def page_data(
             "layers (layers=[0]), or raise max_values."
         )
     labels = _Labels()
-    names = _call_names(trace, [index for index, _ in calls])
+    names = _call_names([call for _, call in calls])
     built = [
         _call_data(trace, call, name, labels, precision)
         for (_, call), name in zip(calls, names, strict=True)
@@ -192,15 +193,15 @@ def page_data(
 
 
 def _select_calls(
-    trace: Trace, calls: list[list[Step]], layers: Sequence[int | str] | None
-) -> list[tuple[int, list[Step]]]:
+    calls: list[TraceCall], layers: Sequence[int | str] | None
+) -> list[tuple[int, TraceCall]]:
     indexed = list(enumerate(calls))
     if layers is None:
         return indexed
     if isinstance(layers, str | int):
         layers = [layers]
-    chosen: list[tuple[int, list[Step]]] = []
-    known = [c[0].layer for c in calls]
+    chosen: list[tuple[int, TraceCall]] = []
+    known = [c.layer for c in calls]
     for wanted in layers:
         if isinstance(wanted, int) and not isinstance(wanted, bool):
             if not -len(calls) <= wanted < len(calls):
@@ -210,7 +211,7 @@ def _select_calls(
                 )
             chosen.append(indexed[wanted % len(calls)])
         elif isinstance(wanted, str) and wanted in known:
-            chosen.extend(item for item in indexed if item[1][0].layer == wanted)
+            chosen.extend(item for item in indexed if item[1].layer == wanted)
         else:
             names = ", ".join(repr(n) for n in dict.fromkeys(known) if n) or "none"
             raise ValueError(
@@ -221,8 +222,8 @@ def _select_calls(
 
 
 def _keep_steps(
-    trace: Trace, calls: list[tuple[int, list[Step]]], steps: Sequence[str]
-) -> list[tuple[int, list[Step]]]:
+    trace: Trace, calls: list[tuple[int, TraceCall]], steps: Sequence[str]
+) -> list[tuple[int, TraceCall]]:
     if isinstance(steps, str):
         steps = [steps]
     recorded = list(dict.fromkeys(s.name for _, call in calls for s in call))
@@ -231,12 +232,15 @@ def _keep_steps(
             raise ValueError(
                 f"steps: no step named {name!r} in this trace; recorded: {', '.join(recorded)}."
             )
-    kept = [(index, [s for s in call if s.name in steps]) for index, call in calls]
-    return [(index, call) for index, call in kept if call]
+    kept = [
+        (index, dataclasses.replace(call, steps=tuple(s for s in call if s.name in steps)))
+        for index, call in calls
+    ]
+    return [(index, call) for index, call in kept if call.steps]
 
 
-def _numbers_shown(call: list[Step]) -> int:
-    heads = _size(call, "head") or 1
+def _numbers_shown(call: TraceCall) -> int:
+    heads = _size(call.steps, "head") or 1
     total = 0
     for step in call:
         per_head = bool({"head", "kv_head"} & set(step.axes))
@@ -244,13 +248,12 @@ def _numbers_shown(call: list[Step]) -> int:
     return total
 
 
-def _call_names(trace: Trace, indices: list[int]) -> list[str]:
-    calls = _split_calls(trace.steps)
-    layer_names = [calls[i][0].layer for i in indices]
+def _call_names(calls: list[TraceCall]) -> list[str]:
+    layer_names = [call.layer for call in calls]
     names = []
-    for position, (index, layer) in enumerate(zip(indices, layer_names, strict=True)):
+    for position, (call, layer) in enumerate(zip(calls, layer_names, strict=True)):
         if layer is None:
-            names.append(f"call {index + 1}")
+            names.append(f"call {call.index + 1}")
         elif layer_names.count(layer) > 1:
             names.append(f"{layer} (call {layer_names[: position + 1].count(layer)})")
         else:
@@ -274,43 +277,44 @@ class _Labels:
 
 
 def _call_data(
-    trace: Trace, call: list[Step], name: str, labels: _Labels, precision: int
+    trace: Trace, call: TraceCall, name: str, labels: _Labels, precision: int
 ) -> dict[str, Any]:
     # The tables hold every query (the page selects one); the worked lines are those of the
     # queries the trace asks to show (a worked example's "love"), as in `qkv explain`.
-    meta = {k: v for k, v in trace.meta.items() if k != "queries"}
-    sub = Trace(steps=list(call), tokens=trace.tokens, query_tokens=trace.query_tokens, meta=meta)
+    sub = trace.subset([call])  # this call's steps (as kept), its facts over the trace's
+    (own,) = sub.calls
+    queries = sub.meta.pop("queries", None)
     narrative = narrate(sub, precision=precision)
     worked = narrative
-    if trace.meta.get("queries") is not None:
-        sub.meta = dict(trace.meta)
+    if queries is not None:
+        sub.meta["queries"] = queries
         worked = narrate(sub, precision=precision)
-    heads = Heads(sub, call)
-    by_name = {step.name: step for step in call}
+    heads = Heads(sub, own)
+    by_number = dict(enumerate(call.steps, start=1))
     sections = [
-        _section_data(section, lines, head, by_name, labels)
+        _section_data(section, lines, head, by_number, labels)
         for section, lines, head in zip(
-            narrative.sections, worked.sections, _section_heads(call, heads), strict=True
+            narrative.sections, worked.sections, _section_heads(own, heads), strict=True
         )
     ]
     return {
         "name": name,
-        "layer": call[0].layer,
+        "layer": call.layer,
         "heads": heads.count,
         "facts": [[fact.label, fact.plain] for fact in narrative.facts],
-        "query": _first_query(trace, call, sections, labels),
+        "query": _first_query(trace, call.steps, sections, labels),
         "sections": sections,
     }
 
 
-def _section_heads(call: list[Step], heads: Heads) -> list[int | None]:
+def _section_heads(call: TraceCall, heads: Heads) -> list[int | None]:
     """The head of each section narrate() makes for one call (its position among the heads
     recorded; the section's title gives its original number): None for the shared ones."""
-    split = heads.split(call)
+    split = heads.split(call.steps)
     if split is None:
         return [None]
     before = [None] if split[0] > 0 else []
-    after = [None] if split[1] < len(call) - 1 else []
+    after = [None] if split[1] < len(call.steps) - 1 else []
     return [*before, *range(heads.count), *after]
 
 
@@ -318,14 +322,14 @@ def _section_data(
     section: Section,
     worked: Section,
     head: int | None,
-    by_name: dict[str, Step],
+    by_number: dict[int, Step],
     labels: _Labels,
 ) -> dict[str, Any]:
     return {
         "title": section.title,
         "head": head,
         "steps": [
-            _step_data(view, lines, by_name[view.name], labels)
+            _step_data(view, lines, by_number[view.number], labels)
             for view, lines in zip(section.steps, worked.steps, strict=True)
         ],
     }
@@ -369,7 +373,7 @@ def _table_data(table: Table, labels: _Labels) -> dict[str, Any]:
 
 
 def _first_query(
-    trace: Trace, call: list[Step], sections: list[dict[str, Any]], labels: _Labels
+    trace: Trace, call: Sequence[Step], sections: list[dict[str, Any]], labels: _Labels
 ) -> int:
     """The query selected when the page opens: the trace's first shown query, else 0."""
     rows = next(

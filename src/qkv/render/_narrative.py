@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,7 @@ from qkv._format import latex_escape, latex_visible, number, visible
 from qkv.render._model import Equation, Fact, Math, Narrative, Section, StepView, Table
 from qkv.render._vocabulary import TITLES, latex_formula, meaning, plain_formula
 from qkv.render._worked import WorkedLines
-from qkv.trace import Step, Trace
+from qkv.trace import Step, Trace, TraceCall
 
 __all__ = ["TITLES", "narrate"]
 
@@ -54,13 +54,13 @@ def narrate(trace: Trace, *, precision: int = 4) -> Narrative:
             "the trace has no steps to show. Hint: record one with `with qkv.tracing() as t:` "
             "around an attention call, or pass trace=qkv.Trace()."
         )
-    calls = _split_calls(trace.steps)
+    calls = trace_calls(trace)
     builders = [_CallBuilder(trace, call, precision) for call in calls]
     sections: list[Section] = []
     for index, builder in enumerate(builders):
         prefix = ""
         if len(calls) > 1:
-            layer = calls[index][0].layer
+            layer = calls[index].layer
             prefix = f"Call {index + 1} of {len(calls)}"
             prefix += f" ({layer})" if layer else ""
             if builder.batch and builder.batch > 1:
@@ -141,20 +141,18 @@ def _and(items: Sequence[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
-def _split_calls(steps: Sequence[Step]) -> list[list[Step]]:
-    """Split a trace into attention calls: a new call starts when a step name comes again."""
-    calls: list[list[Step]] = []
-    for step in steps:
-        current = calls[-1] if calls else None
-        if (
-            current is None
-            or any(s.name == step.name for s in current)
-            or step.layer != current[0].layer
-        ):
-            calls.append([step])
-        else:
-            current.append(step)
-    return calls
+def trace_calls(trace: Trace) -> list[TraceCall]:
+    """The attention calls of a trace, as the trace recorded them (:attr:`Trace.calls`): each
+    with its steps (``call.steps``), its layer and its facts (``call.meta``). Every renderer
+    reads a trace's calls from here, never by guessing where one call ends."""
+    return trace.calls
+
+
+def call_facts(trace: Trace, call: TraceCall) -> dict[str, Any]:
+    """The facts of one call (scale, causality, mask, heads, ...): the call's own
+    (``call.meta``) over the trace's (``trace.meta``: the example's name and ``d_model``, and
+    the facts of a trace built by hand, whose calls recorded none)."""
+    return {**trace.meta, **call.meta}
 
 
 def _size(steps: Sequence[Step], axis: str) -> int | None:
@@ -268,7 +266,8 @@ class Heads:
     kv_total: int | None
     kv_numbers: list[int] | None
 
-    def __init__(self, trace: Trace, steps: Sequence[Step]) -> None:
+    def __init__(self, trace: Trace, call: TraceCall) -> None:
+        steps = call.steps
         self.count = _size(steps, "head") or 1
         self.kv_count = _size(steps, "kv_head") or self.count
         index, kv_index = _index(steps, "head"), _index(steps, "kv_head")
@@ -282,7 +281,7 @@ class Heads:
             self.selected = False
             return
         self.numbers = index
-        self.total, self.kv_total = _head_totals(trace, steps, index)
+        self.total, self.kv_total = _head_totals(trace, call, index)
         group = (
             self.total // self.kv_total
             if self.total and self.kv_total and self.total % self.kv_total == 0
@@ -327,15 +326,20 @@ class Heads:
 
 
 def _head_totals(
-    trace: Trace, steps: Sequence[Step], index: Sequence[int]
+    trace: Trace, call: TraceCall, index: Sequence[int]
 ) -> tuple[int | None, int | None]:
     """The heads and key/value heads of a call recorded with a head selection: from the
-    module's facts (``meta["layers"]``), else the trace's meta when it fits the selection."""
+    call's facts, else the module's (``meta["layers"]``), else the trace's meta when it fits
+    the selection."""
     layers = trace.meta.get("layers")
-    layer = steps[0].layer if steps else None
-    sources = [layers.get(layer) if isinstance(layers, dict) and layer else None, trace.meta]
+    layer = call.layer
+    sources = [
+        call.meta,
+        layers.get(layer) if isinstance(layers, Mapping) and layer else None,
+        trace.meta,
+    ]
     for source in sources:
-        if not isinstance(source, dict):
+        if not isinstance(source, Mapping):
             continue
         total, kv = source.get("num_heads"), source.get("num_kv_heads")
         if isinstance(total, int) and not isinstance(total, bool) and total > max(index):
@@ -347,16 +351,18 @@ def _head_totals(
 class _CallBuilder:
     """The sections of one attention call (one multi_head_attention or SDPA run)."""
 
-    def __init__(self, trace: Trace, steps: list[Step], precision: int) -> None:
+    def __init__(self, trace: Trace, call: TraceCall, precision: int) -> None:
         self.trace = trace
-        self.steps = steps
+        self.call = call
+        self.meta = call_facts(trace, call)
+        self.steps = steps = list(call.steps)
         self.p = precision
-        self.head = Heads(trace, steps)
+        self.head = Heads(trace, call)
         self.heads = self.head.count
         self.batch = _size(steps, "batch")
-        self.numbers: dict[str, int] = {}
-        for step in steps:
-            self.numbers.setdefault(step.name, len(self.numbers) + 1)
+        # steps are numbered in the order they ran (a call with a bias and a score
+        # modifier records two ``bias`` steps: each has its own number)
+        self.numbers = {id(step): number for number, step in enumerate(steps, start=1)}
         lq = _size(steps, "query")
         lk = _size(steps, "key")
         tokens = trace.tokens
@@ -381,10 +387,10 @@ class _CallBuilder:
         )
 
     def _call_scale(self) -> tuple[float | None, str | None, int | None]:
-        """(scale, scale_mode, d_k) of this call: the trace's meta when this call's scores and
-        scaled scores agree with it (meta describes the last call of a trace), else read from
-        the numbers."""
-        meta = self.trace.meta
+        """(scale, scale_mode, d_k) of this call: its facts when its scores and scaled scores
+        agree with them, else read from the numbers (a call of a version-1 file other than
+        the last kept no facts)."""
+        meta = self.meta
         scale, mode = meta.get("scale"), meta.get("scale_mode")
         d_k = _last_dim(self.steps, "Q") or meta.get("d_k")
         scores = next((s.value for s in self.steps if s.name == "scores"), None)
@@ -431,7 +437,7 @@ class _CallBuilder:
         return shown if shown and shown != list(range(lq)) else None
 
     def facts(self) -> list[Fact]:
-        meta, steps = self.trace.meta, self.steps
+        meta, steps = self.meta, self.steps
         facts: list[Fact] = []
         query_tokens = None if self.derived else self.trace.query_tokens
         if self.trace.tokens:
@@ -458,6 +464,9 @@ class _CallBuilder:
         elif meta.get("mask"):
             text = _mask_text(str(meta["mask"]), steps)
             facts.append(Fact("mask", text, latex_escape(text)))
+        sink = self._sink_fact()
+        if sink is not None:
+            facts.append(sink)
         queries = self._queries_fact()
         if queries is not None:
             facts.append(queries)
@@ -467,8 +476,10 @@ class _CallBuilder:
         return facts
 
     def _queries_fact(self) -> Fact | None:
-        """The queries shown (``love (1 of 3 shown)``) and the rows a selection recorded
-        (``recorded: rows 0, 4 (numbered from 0)``), or None when every query is shown."""
+        """The queries shown (``love (1 of 3 shown)``) and the rows a selection recorded, named
+        by their table labels as the trace's description names them (``recorded: rows a and
+        e``; ``the#4`` for a repeated token, ``t4`` without tokens), or None when every query
+        is shown."""
         plain: list[str] = []
         latex: list[str] = []
         if self.queries is not None:
@@ -476,20 +487,49 @@ class _CallBuilder:
             shown = f" ({len(names)} of {len(self.query_labels)} shown)"
             plain.append(", ".join(names) + shown)
             latex.append(", ".join(latex_escape(n) for n in names) + shown)
-        rows = self.query_rows
-        if rows is not None:
-            if self.queries is None and self.query_labels != [f"t{i}" for i in rows]:
-                plain.append(", ".join(self.query_labels))
-                latex.append(", ".join(latex_escape(n) for n in self.query_labels))
-            text = f"recorded: rows {', '.join(map(str, rows))} (numbered from 0)"
-            plain.append(text)
-            latex.append(text)
+        if self.query_rows is not None and self.query_labels:
+            plain.append(f"recorded: rows {_and(self.query_labels)}")
+            latex.append(f"recorded: rows {_and([latex_escape(n) for n in self.query_labels])}")
         if not plain:
             return None
         return Fact("queries", "; ".join(plain), "; ".join(latex))
 
+    def _sink_fact(self) -> Fact | None:
+        """``this row (love) gives 0.12 of its attention to the sink``: the worked query's
+        share of attention given to the sink, per recorded head (the call's ``sink`` meta,
+        recorded with ``sinks=``), or None without a sink."""
+        sink = self.meta.get("sink")
+        if not isinstance(sink, dict) or "share" not in sink:
+            return None
+        try:
+            share = np.asarray(sink["share"], dtype=float)
+            axes = list(sink.get("axes") or [])
+            if "batch" in axes:
+                share = np.take(share, 0, axis=axes.index("batch"))
+                axes.remove("batch")
+            if "head" not in axes:
+                share = share[None]
+            rows = share.reshape(share.shape[0], -1)  # (recorded heads, recorded rows)
+            worked = self.worked if self.worked < rows.shape[1] else 0
+            label = self.query_labels[worked] if worked < len(self.query_labels) else None
+        except (ValueError, TypeError, IndexError):
+            return None  # a sink entry that does not fit the steps: say nothing
+        row = f"this row ({label})" if label else "this row"
+        parts = []
+        for position in range(min(rows.shape[0], 4)):
+            given = number(float(rows[position, worked]), 2)
+            head = ""
+            if rows.shape[0] > 1 and position < len(self.head.numbers):
+                head = f"head {self.head.numbers[position] + 1}: "
+            parts.append(f"{head}{row} gives {given} of its attention to the sink")
+        if rows.shape[0] > 4:
+            parts.append("…")
+        text = "; ".join(parts)
+        return Fact("sink", text, latex_escape(text))
+
     def _heads_fact(self) -> Fact:
-        """``4 (2 key/value heads: grouped-query attention)``, and which were recorded."""
+        """``4 (2 key/value heads: grouped-query attention)``, and which were recorded, named
+        as the sections' titles name them (``recorded: head 1 and head 3``)."""
         head = self.head
         parts = []
         if head.total:
@@ -499,8 +539,7 @@ class _CallBuilder:
                 text += f" ({head.kv_total} key/value heads: {kind} attention)"
             parts.append(text)
         if head.selected:
-            numbers = ", ".join(str(h + 1) for h in head.numbers)
-            parts.append(f"recorded: {numbers} (numbered from 1)")
+            parts.append(f"recorded: {_and([f'head {h + 1}' for h in head.numbers])}")
         text = "; ".join(parts)
         return Fact("heads", text, latex_escape(text))
 
@@ -560,7 +599,7 @@ class _CallBuilder:
             views.append(
                 StepView(
                     name=step.name,
-                    number=self.numbers[step.name],
+                    number=self.numbers[id(step)],
                     title=TITLES.get(step.name, step.name),
                     formula=Math(plain_formula(step), self._latex_formula(step.name)),
                     meaning=self._meaning(step),

@@ -82,6 +82,7 @@ _META_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "rows": ((dict,), "an object"),
     "shapes": ((dict,), "an object"),
     "prediction": ((dict,), "an object"),
+    "sink": ((dict,), "an object"),
 }
 
 

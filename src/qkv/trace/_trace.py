@@ -152,6 +152,26 @@ class Trace:
         if self._state.open is not None:
             self._open_info().meta.update(facts)
 
+    def note_sink(self, share: Array, axes: tuple[str, ...], logits: Sequence[float]) -> None:
+        """Record an attention sink: the share of attention each row gives to it.
+
+        Goes into the meta of the call being recorded (and :attr:`meta`) as ``sink``:
+        ``{"logits": [one per head], "axes": [..., "query"], "share": nested lists}``, the
+        share of each row being exp(sink_h) / (Σ_j exp(S'_ij) + exp(sink_h)) = 1 − Σ_j A_ij,
+        cut to the selected heads and query rows (``index`` says which, as for a step).
+        """
+        if library(share) == "torch":
+            share = share.detach()
+        value, index = self._slice(share, tuple(axes))
+        entry: dict[str, Any] = {
+            "logits": [float(x) for x in logits],
+            "axes": list(axes),
+            "share": to_numpy(value).tolist(),
+        }
+        if index:
+            entry["index"] = {k: list(v) for k, v in index.items()}
+        self.note(sink=entry)
+
     def end_call(self, **facts: Any) -> None:
         """Close the attention core's part of a call: :meth:`note` its ``facts`` (scale,
         causality, heads, ...). Only a multi-head call's last steps (concat, W_o, output)
