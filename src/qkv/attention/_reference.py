@@ -59,6 +59,7 @@ def reference_attention(
     enable_gqa: bool = False,
     dropout_p: float = 0.0,
     generator: Any = None,
+    sinks: Array | None = None,
     return_weights: bool = False,
     trace: Trace | None = None,
 ) -> Any:
@@ -89,6 +90,8 @@ def reference_attention(
         generator: random source for dropout: a ``numpy.random.Generator``, a
             ``torch.Generator`` or an int seed. One seed is drawn from it and the dropped
             weights follow :func:`qkv.masks.dropout_keep` (the same on every backend).
+        sinks: per-head attention-sink logits, shape (H,): one more key per head whose score
+            is sink_h and whose value is 0, so each row's weights sum to less than 1.
         return_weights: also return the attention weights (before dropout).
         trace: record every step into this :class:`qkv.Trace` (default: the enclosing
             :func:`qkv.tracing` block, if any).
@@ -133,6 +136,7 @@ def reference_attention(
         enable_gqa=enable_gqa,
         dropout_p=dropout_p,
         generator=generator,
+        sinks=sinks,
         trace=trace,
     )
     context, weights = attend(
