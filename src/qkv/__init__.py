@@ -33,7 +33,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 _SUBMODULES = (
     "examples", "render", "cli", "nn", "positional", "check", "kernels",
-    "embeddings", "data", "train",
+    "embeddings", "data", "train", "distributed", "hf",
 )  # fmt: skip
 
 

@@ -2,13 +2,41 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from importlib import import_module
 
 from qkv.trace._select import int_selection, layer_selection, step_selection
 from qkv.trace._trace import Trace, current
 
-__all__ = ["current_trace", "resolve", "suspended", "tracing"]
+__all__ = ["current_trace", "register_model_adapter", "resolve", "suspended", "tracing"]
+
+ModelAdapter = Callable[[object, Trace], AbstractContextManager[None]]
+"""Prepares a model of another library for ``tracing(model=...)``: names its attention
+modules (``trace._use_model(model, modules)``) and routes their attention through qkv for
+the duration of the block."""
+
+_ADAPTER_MODULES = {"transformers": "qkv.hf"}  # a model's package -> the qkv module adapting it
+_ADAPTERS: dict[str, ModelAdapter] = {}
+
+
+def register_model_adapter(package: str, adapter: ModelAdapter) -> None:
+    """Let ``tracing(model=...)`` use ``adapter`` for models whose class comes from
+    ``package`` (e.g. ``"transformers"``); qkv.hf registers itself so, as it sits above
+    this layer."""
+    _ADAPTERS[package] = adapter
+
+
+def _adapter_for(model: object) -> ModelAdapter | None:
+    """The adapter for ``model``'s library (importing the qkv module that registers it), or
+    None for a model of qkv modules."""
+    packages = {cls.__module__.split(".")[0] for cls in type(model).__mro__}
+    for package, module in _ADAPTER_MODULES.items():
+        if package in packages:
+            if package not in _ADAPTERS:
+                import_module(module)  # registers itself; named by string, not imported
+            return _ADAPTERS[package]
+    return None
 
 
 def current_trace() -> Trace | None:
@@ -35,8 +63,9 @@ def tracing(
     Args:
         trace: the trace to append to; a new one by default.
         model: the model (a ``torch.nn.Module``) whose qkv attention modules to name by their
-            path, e.g. ``"blocks.0.attn"``. Without it, modules are named by class and call
-            order (``"MultiHeadAttention.0"``).
+            path, e.g. ``"blocks.0.attn"``; or a Hugging Face transformers model, whose
+            attention runs through qkv inside the block (see :mod:`qkv.hf`). Without it,
+            modules are named by class and call order (``"MultiHeadAttention.0"``).
         layers: module paths, glob patterns (``"blocks.*.attn"``; ``"blocks.0"`` selects
             the attention inside ``blocks.0``) or positions among the model's attention
             modules (``0``, ``-1``); default: all.
@@ -74,19 +103,24 @@ def tracing(
         )
     if steps is not None:
         trace.record_steps = step_selection(steps)
-    if model is not None:
+    adapter = None if model is None else _adapter_for(model)
+    if model is not None and adapter is None:
         trace._use_model(model)
-    elif trace.layers is not None and any(isinstance(s, int) and s < 0 for s in trace.layers):
+    chosen = list(trace.layers or ())
+    if model is None and any(isinstance(s, int) and s < 0 for s in chosen):
         raise ValueError(
-            f"tracing layers={list(trace.layers)}: a negative position needs model=... to know "
+            f"tracing layers={chosen}: a negative position needs model=... to know "
             "how many attention modules there are. Hint: qkv.tracing(model=model, layers=-1)."
         )
-    token = current.set(trace)
-    try:
-        yield trace
-    finally:
-        current.reset(token)
-        trace._finish()
+    with ExitStack() as stack:
+        if adapter is not None:
+            stack.enter_context(adapter(model, trace))
+        token = current.set(trace)
+        try:
+            yield trace
+        finally:
+            current.reset(token)
+            trace._finish()
 
 
 @contextmanager

@@ -430,8 +430,11 @@ class Trace:
             state.layer, state.call_heads = previous, previous_heads
             state.open = None
 
-    def _use_model(self, model: object) -> None:
-        """Name every qkv module of ``model`` by its path, and check :attr:`layers`."""
+    def _use_model(
+        self, model: object, modules: Sequence[tuple[str, object]] | None = None
+    ) -> None:
+        """Name every qkv module of ``model`` by its path (or the ``(path, module)`` pairs
+        ``modules`` that a model adapter found), and check :attr:`layers`."""
         named = getattr(model, "named_modules", None)
         if not callable(named):
             raise TypeError(
@@ -441,11 +444,15 @@ class Trace:
         state = self._state
         state.from_model = True
         state.order = []
-        for path, module in named():
-            if getattr(module, "_qkv_traceable", False):
-                name = path or type(module).__name__
-                state.paths[id(module)] = name
-                state.order.append(name)
+        found = (
+            modules
+            if modules is not None
+            else [(p, m) for p, m in named() if getattr(m, "_qkv_traceable", False)]
+        )
+        for path, module in found:
+            name = path or type(module).__name__
+            state.paths[id(module)] = name
+            state.order.append(name)
         if not state.order:
             raise ValueError(
                 f"tracing(model=...): the {type(model).__name__} has no qkv attention module "

@@ -1,0 +1,305 @@
+"""The transformers adapter: qkv's attention and mask functions, and the tracing block.
+
+transformers calls an attention function as ``f(module, query, key, value, attention_mask,
+dropout=..., scaling=..., is_causal=..., **kwargs)`` with query (B, H, Lq, D) after RoPE and
+key/value (B, Hkv, Lk, D) not repeated, and expects ``(output (B, Lq, H, D), weights or
+None)``. The mask it hands over comes from the mask function registered under the same
+name; without one transformers would pass no mask at all, so both are registered together
+and a causal call that arrives without a mask is an error, never run unmasked.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+from qkv._extras import require
+from qkv.attention import scaled_dot_product_attention
+from qkv.masks import softcap as softcap_mod
+from qkv.trace import Trace, current_trace, suspended
+from qkv.trace._context import register_model_adapter
+
+__all__ = ["IMPLEMENTATION", "attention_modules", "qkv_attention_forward", "qkv_mask"]
+
+IMPLEMENTATION = "qkv"
+"""The name under which qkv's attention and mask functions are registered in transformers."""
+
+_HANDLED = frozenset({"softcap", "s_aux", "sliding_window", "position_bias"})
+"""Keyword arguments that change the maths and that qkv computes exactly."""
+
+_HARMLESS = frozenset(
+    {
+        "position_ids",
+        "cache_position",
+        "output_attentions",
+        "output_hidden_states",
+        "output_router_logits",
+        "num_items_in_batch",
+        "use_cache",
+        "past_key_values",
+        "past_key_value",
+        "position_embeddings",
+        "token_type_ids",
+        "return_dict",
+    }
+)
+"""Keyword arguments transformers passes along that do not change the attention's result.
+The packed-sequence arguments of the flash kernels (``cu_seq_lens_q``, ...) are refused."""
+
+_calls: ContextVar[list[int] | None] = ContextVar("qkv_hf_calls", default=None)
+"""The number of attention calls inside the current tracing block of a transformers model."""
+
+
+def _family(module: object) -> str:
+    """The model family of an attention module (``config.model_type``), or its class name."""
+    config = getattr(module, "config", None)
+    return str(getattr(config, "model_type", None) or type(module).__name__)
+
+
+def _refuse(family: str, what: str, hint: str) -> ValueError:
+    return ValueError(f"qkv attention for {family}: {what}. Hint: {hint}")
+
+
+def _wants_weights() -> bool:
+    """Whether transformers is collecting attention weights (``output_attentions=True``)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # pragma: no cover - another transformers layout: always return them
+        return True
+    collected = _active_collector.get()  # type: ignore[no-untyped-call]
+    return bool(collected) and any("attentions" in key for key in collected)
+
+
+def _check_kwargs(family: str, kwargs: dict[str, Any], *, training: bool, dropout: float) -> None:
+    """Refuse every keyword argument whose effect on the result qkv does not reproduce."""
+    for name, value in kwargs.items():
+        if name in _HANDLED or name in _HARMLESS or value is None:
+            continue
+        raise _refuse(
+            family,
+            f"keyword argument {name!r} changes the attention and is not supported yet",
+            "run this model without qkv.tracing, or with attn_implementation='eager'",
+        )
+    if training and dropout:
+        raise _refuse(
+            family,
+            f"attention dropout {dropout} while training is not reproduced",
+            "call model.eval() inside qkv.tracing, or set the config's attention dropout to 0",
+        )
+
+
+def qkv_attention_forward(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[Any, Any]:
+    """transformers' attention function for ``attn_implementation="qkv"``.
+
+    Computes softmax(Q·Kᵀ·scaling [+ position bias] [softcapped], masked [, sink]) · V with
+    :func:`qkv.scaled_dot_product_attention` (GQA without repeating K and V), records the
+    call when a :func:`qkv.tracing` block selects its layer, and returns the weights when
+    transformers collects them (``output_attentions=True``).
+
+    Raises:
+        ValueError: a keyword argument that changes the maths and is not reproduced
+            (dropout while training, packed sequences, ...), a sliding window or causal
+            call without a mask, or a mask of another implementation combined with softcap.
+    """
+    family = _family(module)
+    _check_kwargs(
+        family, kwargs, training=bool(getattr(module, "training", False)), dropout=dropout
+    )
+    causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", False))
+    if attention_mask is None and kwargs.get("sliding_window") is not None:
+        raise _refuse(
+            family,
+            f"sliding_window={kwargs['sliding_window']} came without a mask to carry it",
+            "build the model with attn_implementation='qkv' masks (qkv.tracing does)",
+        )
+    if attention_mask is None and causal and query.shape[2] > 1:
+        raise _refuse(
+            family,
+            f"a causal attention call of {query.shape[2]} queries came without a mask, so it "
+            "would run unmasked",
+            "register qkv.hf.qkv_mask with AttentionMaskInterface next to the attention "
+            "function (importing qkv.hf does)",
+        )
+    softcap = kwargs.get("softcap")
+    mask, bias = None, kwargs.get("position_bias")  # T5's relative position bias
+    if softcap is not None and bias is not None:
+        raise _refuse(
+            family,
+            f"softcap={softcap} together with a position_bias",
+            "no transformers family combines them; trace such a model with the eager path",
+        )
+    if attention_mask is not None:
+        if attention_mask.dtype == require("torch", feature="qkv.hf").bool:
+            mask = attention_mask
+        elif softcap is None:  # an additive mask, added as eager adds it
+            bias = attention_mask if bias is None else bias + attention_mask
+        else:
+            raise _refuse(
+                family,
+                f"an additive {attention_mask.dtype} mask with softcap={softcap}",
+                "use qkv.tracing(model=...), whose boolean masks qkv applies after the softcap",
+            )
+    result = _run(
+        module,
+        query,
+        key,
+        value,
+        mask=mask,
+        bias=bias,
+        score_mod=None if softcap is None else softcap_mod(float(softcap)),
+        scale=scaling,
+        sinks=kwargs.get("s_aux"),
+    )
+    output, weights = result if isinstance(result, tuple) else (result, None)
+    return output.transpose(1, 2).contiguous(), weights
+
+
+def _run(module: Any, query: Any, key: Any, value: Any, **options: Any) -> Any:
+    """Run qkv's attention, inside the module's layer when the enclosing trace selects it."""
+    counter = _calls.get()
+    if counter is not None:
+        counter[0] += 1
+
+    def attend() -> Any:
+        return scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            enable_gqa=query.shape[1] != key.shape[1],
+            return_weights=_wants_weights(),
+            **options,
+        )
+
+    trace = current_trace()
+    if trace is None:
+        return attend()
+    name = trace.layer_name(module)
+    if not trace.records_layer(name):
+        with suspended():
+            return attend()
+    facts = {
+        "num_heads": int(query.shape[1]),
+        "num_kv_heads": int(key.shape[1]),
+        "head_dim": int(query.shape[-1]),
+        "family": _family(module),
+    }
+    with trace.in_layer(name, **facts):
+        return attend()
+
+
+def qkv_mask(**kwargs: Any) -> Any:
+    """transformers' mask function for ``attn_implementation="qkv"``: the boolean mask
+    (True = may attend) of ``sdpa_mask``, always built for causal and sliding-window
+    attention (never left to an ``is_causal`` flag), None only for full attention without
+    padding."""
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(**kwargs)
+
+
+def attention_modules(model: Any) -> list[tuple[str, Any]]:
+    """The attention modules of a transformers model, by module path: the innermost modules
+    whose class name ends in ``Attention`` (``model.layers.0.self_attn``)."""
+    found = [
+        (path, module)
+        for path, module in model.named_modules()
+        if type(module).__name__.endswith("Attention")
+    ]
+    return [
+        (path, module)
+        for path, module in found
+        if not any(other.startswith(path + ".") for other, _ in found if path)
+    ]
+
+
+def _uses_interface(model: Any) -> bool:
+    """Whether the model's family dispatches its attention through transformers'
+    ``AttentionInterface`` (its modeling module looks functions up in
+    ``ALL_ATTENTION_FUNCTIONS``; Bloom, GPT-J and Falcon do not)."""
+    for cls in type(model).__mro__:
+        module = sys.modules.get(cls.__module__)
+        if module is not None and ".models." in cls.__module__:
+            return "ALL_ATTENTION_FUNCTIONS" in vars(module)
+    return bool(getattr(model, "_supports_attention_backend", False))
+
+
+@contextmanager
+def _adapt(model: Any, trace: Trace) -> Iterator[None]:
+    """Inside the block, ``model`` runs its attention through qkv and ``trace`` names its
+    attention modules; the previous implementation comes back afterwards."""
+    config = getattr(model, "config", None)
+    family = str(getattr(config, "model_type", None) or type(model).__name__)
+    if config is None or not _uses_interface(model):
+        raise ValueError(
+            f"tracing(model=...): the {family} family ({type(model).__name__}) does not call "
+            "transformers' AttentionInterface, so qkv cannot see its attention. Hint: Llama, "
+            "Mistral, Qwen2, Gemma2, gpt-oss, GPT-2, BERT, T5, BART, Whisper and ViT do (see "
+            "docs/hf.md)."
+        )
+    modules = attention_modules(model)
+    if not modules:
+        raise ValueError(
+            f"tracing(model=...): the {family} model ({type(model).__name__}) has no module "
+            "whose class name ends in 'Attention', so qkv cannot name its attention layers. "
+            "Hint: see docs/hf.md for the families qkv.tracing supports."
+        )
+    trace._use_model(model, modules)
+    previous = config._attn_implementation
+    try:
+        model.set_attn_implementation(IMPLEMENTATION)
+    except (ValueError, ImportError) as error:
+        raise ValueError(
+            f"tracing(model=...): the {family} model rejects attn_implementation="
+            f"{IMPLEMENTATION!r} ({str(error).splitlines()[0]}). Hint: see docs/hf.md for the "
+            "families qkv.tracing supports."
+        ) from error
+    counter = [0]
+    runs = [0]
+
+    def count_run(*_: Any) -> None:
+        runs[0] += 1
+
+    handle = model.register_forward_pre_hook(count_run)
+    token = _calls.set(counter)
+    try:
+        yield
+        if runs[0] and not counter[0]:
+            raise ValueError(
+                f"tracing(model=...): the {family} model ran {runs[0]} time(s) but never "
+                "called qkv's attention function, so nothing was recorded. Hint: this family "
+                "does not use transformers' AttentionInterface; see docs/hf.md for those that do."
+            )
+        trace.meta.setdefault("hf_calls", 0)
+        trace.meta["hf_calls"] += counter[0]
+    finally:
+        _calls.reset(token)
+        handle.remove()
+        model.set_attn_implementation(previous)
+
+
+def _register() -> None:
+    """Register the attention and mask functions (both, always together) and the adapter."""
+    transformers = require("transformers", feature="qkv.hf", extra="hf")
+    from transformers.masking_utils import AttentionMaskInterface
+
+    register: Callable[..., None] = transformers.AttentionInterface.register
+    register(IMPLEMENTATION, qkv_attention_forward)
+    AttentionMaskInterface.register(IMPLEMENTATION, qkv_mask)
+    register_model_adapter("transformers", _adapt)
+
+
+_register()

@@ -1,0 +1,1 @@
+"""Tests of Hugging Face transformers models traced exactly through qkv.hf."""
