@@ -32,6 +32,25 @@ Example:
 """
 
 from qkv.check._engine import check
+from qkv.check._function import (
+    FUNCTION_DIAGNOSES,
+    FunctionError,
+    FunctionReport,
+    check_function,
+    check_function_file,
+)
 from qkv.check._report import DIAGNOSES, FORMATS, STATUSES, Finding, Report
 
-__all__ = ["DIAGNOSES", "FORMATS", "STATUSES", "Finding", "Report", "check"]
+__all__ = [
+    "DIAGNOSES",
+    "FORMATS",
+    "FUNCTION_DIAGNOSES",
+    "STATUSES",
+    "Finding",
+    "FunctionError",
+    "FunctionReport",
+    "Report",
+    "check",
+    "check_function",
+    "check_function_file",
+]

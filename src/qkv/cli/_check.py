@@ -3,6 +3,10 @@
 Exit status: 0 when every claimed row matches (rounding notes allowed), 1 when one does not,
 2 for an unusable file (one line ``qkv: error: ...`` naming the field and the line; nothing
 is printed as a result).
+
+``qkv check --function FILE.py:NAME --kind KIND`` checks an attention function instead: 0 when
+it is right, 1 when it makes a mistake, 2 when it cannot be loaded or called
+(docs/check-function.md).
 """
 
 from __future__ import annotations
@@ -12,6 +16,10 @@ import argparse
 from qkv.cli._common import Command, CommandError, add_output_options, emit
 
 _FORMATS = ("text", "markdown", "json")  # qkv.check.FORMATS, without importing it for --help
+_KINDS = ("attention", "causal", "multi-head")  # qkv.check._probes.KINDS
+_MASK_MEANINGS = ("allow", "ignore", "additive")
+_ARRAYS = ("auto", "numpy", "torch")
+_ALIGNMENTS = ("top-left", "bottom-right")
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
@@ -34,10 +42,78 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         default="text",
         help="text for the terminal, markdown for a page, json for programs (default: text)",
     )
+    group = parser.add_argument_group(
+        "checking an attention function (RUNS the file's code, in its own process)"
+    )
+    group.add_argument(
+        "--function",
+        metavar="FILE.py:NAME",
+        help="check the function NAME of FILE.py instead of an example: which slip it makes. "
+        "Loading FILE.py runs its code, like 'python FILE.py': only check code you would run",
+    )
+    group.add_argument(
+        "--kind",
+        choices=_KINDS,
+        default="attention",
+        help="attention: NAME(Q, K, V) or NAME(Q, K, V, mask); causal: NAME(Q, K, V) is causal; "
+        "multi-head: NAME(X, W_q, W_k, W_v, W_o, num_heads), row vectors (default: attention)",
+    )
+    group.add_argument(
+        "--mask-means",
+        choices=_MASK_MEANINGS,
+        default="allow",
+        help="the mask given to NAME(Q, K, V, mask): allow = True may attend, ignore = True is "
+        "masked out, additive = 0 or -inf added to the scores (default: allow)",
+    )
+    group.add_argument(
+        "--array",
+        choices=_ARRAYS,
+        default="auto",
+        help="probe with NumPy arrays or torch tensors; auto tries NumPy, then torch "
+        "(default: auto)",
+    )
+    group.add_argument(
+        "--causal-alignment",
+        choices=_ALIGNMENTS,
+        default="top-left",
+        help="the causal rule meant when Lq != Lk: top-left (query i sees keys 0..i, "
+        "PyTorch's is_causal) or bottom-right (default: top-left)",
+    )
+    group.add_argument(
+        "--timeout",
+        type=float,
+        default=20.0,
+        metavar="SECONDS",
+        help="stop the function's process after SECONDS (default: 20)",
+    )
     add_output_options(parser, "write the report to FILE instead of the terminal (atomically)")
 
 
+def _run_function(args: argparse.Namespace) -> int:
+    if args.file is not None or args.example is not None:
+        raise CommandError(
+            "give --function FILE.py:NAME or an example, not both. Hint: 'qkv check --function "
+            "student.py:attention --kind attention'"
+        )
+    if not args.timeout > 0:
+        raise CommandError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    from qkv.check import check_function_file
+
+    report = check_function_file(
+        args.function,
+        args.kind,
+        mask_means=args.mask_means,
+        array=args.array,
+        alignment=args.causal_alignment,
+        timeout=args.timeout,
+    )
+    emit(args, lambda width: report.render(args.format, width=width), report.print)
+    return 0 if report.ok else 1
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.function is not None:
+        return _run_function(args)
     if args.file is not None and args.example is not None:
         raise CommandError(
             "give an example FILE or --example NAME, not both. Hint: 'qkv check mine.yaml' "
@@ -71,7 +147,10 @@ COMMAND = Command(
         "query-key-swapped, context-not-summed, wrong-query) or an arithmetic mistake; a\n"
         "step done right on wrong numbers is 'consequential'.\n\n"
         "Exit status: 0 all match, 1 something does not, 2 the file cannot be used.\n"
-        "See docs/check.md."
+        "See docs/check.md.\n\n"
+        "With --function FILE.py:NAME it checks an attention function instead and names\n"
+        "its slip (docs/check-function.md). WARNING: this imports FILE.py, which runs its\n"
+        "code; it runs in a separate process with a time limit (--timeout)."
     ),
     examples=(
         ("qkv check --example i-love-statistics", "seed 000: which of its numbers are wrong"),
@@ -79,6 +158,10 @@ COMMAND = Command(
         ("qkv check my-example.yaml --format json", "for programs (a stable schema)"),
         ("qkv check --example i-love-statistics -f markdown -o check.md", "a page to share"),
         ("qkv examples --show i-love-statistics > mine.yaml", "a start for your own"),
+        (
+            "qkv check --function student.py:attention --kind attention",
+            "which slip a student's attention(Q, K, V[, mask]) makes (runs student.py)",
+        ),
     ),
     configure=_configure,
     run=_run,

@@ -1,0 +1,102 @@
+"""Grade attention code: which slip a student's ``attention()`` makes.
+
+:func:`check_attention` calls a function on probes designed so that each common slip gives
+different numbers, and names the slip (``unscaled``, ``softmax-wrong-axis``, ``mask-ignored``,
+...; docs/check-function.md). :func:`assert_attention` is the same as a pytest-friendly
+assertion for an autograder.
+
+Give the function itself (it runs in this process, with no time limit), or ``"FILE.py:NAME"``:
+then the file is loaded in a separate Python process with a time limit. Loading a file runs
+its code, as ``python FILE.py`` would.
+
+Example:
+    >>> import numpy as np
+    >>> def attention(Q, K, V):
+    ...     s = Q @ K.T                     # forgot to divide by sqrt(d_k)
+    ...     w = np.exp(s - s.max(axis=-1, keepdims=True))
+    ...     return (w / w.sum(axis=-1, keepdims=True)) @ V
+    >>> report = check_attention(attention, kind="attention")
+    >>> report.ok, [f.diagnosis for f in report.findings]
+    (False, ['unscaled'])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from qkv.check import FUNCTION_DIAGNOSES, FunctionError, FunctionReport
+from qkv.check import check_function as _check_function
+from qkv.check import check_function_file as _check_function_file
+
+__all__ = [
+    "FUNCTION_DIAGNOSES",
+    "FunctionError",
+    "FunctionReport",
+    "assert_attention",
+    "check_attention",
+]
+
+
+def check_attention(
+    fn: Callable[..., Any] | str,
+    kind: str = "attention",
+    *,
+    mask_means: str = "allow",
+    array: str = "auto",
+    alignment: str = "top-left",
+    timeout: float = 20.0,
+) -> FunctionReport:
+    """Check an attention function; the report ``qkv check --function`` prints.
+
+    Args:
+        fn: the function, or ``"FILE.py:NAME"`` (loaded in a separate process).
+        kind: ``"attention"`` (``fn(Q, K, V)`` or ``fn(Q, K, V, mask)``), ``"causal"``
+            (``fn(Q, K, V)``, causal) or ``"multi-head"``
+            (``fn(X, W_q, W_k, W_v, W_o, num_heads)``, row vectors).
+        mask_means: ``"allow"`` (True = may attend), ``"ignore"`` (True = masked out) or
+            ``"additive"`` (0 or −inf, added to the scores).
+        array: ``"auto"`` (NumPy, else torch tensors), ``"numpy"`` or ``"torch"``.
+        alignment: the causal rule meant when Lq ≠ Lk: ``"top-left"`` (query i sees keys
+            0 … i, PyTorch's ``is_causal``) or ``"bottom-right"``.
+        timeout: seconds allowed to a ``"FILE.py:NAME"`` (ignored for a function).
+
+    Raises:
+        FunctionError: the function cannot be loaded or called, crashed or timed out.
+        ValueError: an unknown kind, mask meaning, array library or alignment.
+    """
+    if isinstance(fn, str):
+        return _check_function_file(
+            fn, kind, mask_means=mask_means, array=array, alignment=alignment, timeout=timeout
+        )
+    return _check_function(fn, kind, mask_means=mask_means, array=array, alignment=alignment)
+
+
+def assert_attention(
+    fn: Callable[..., Any] | str,
+    kind: str = "attention",
+    *,
+    mask_means: str = "allow",
+    array: str = "auto",
+    alignment: str = "top-left",
+    timeout: float = 20.0,
+) -> None:
+    """Assert that ``fn`` computes attention; the failure message names each slip and says
+    what the step should have been (the arguments of :func:`check_attention`).
+
+    Raises:
+        AssertionError: the function makes a mistake (rounding notes do not fail).
+        FunctionError: the function cannot be loaded or called.
+    """
+    report = check_attention(
+        fn, kind, mask_means=mask_means, array=array, alignment=alignment, timeout=timeout
+    )
+    if not report.ok:
+        wrong = [f for f in report.findings if f.wrong]
+        lines = [f"{report.name} is not right (kind {kind}):"]
+        for f in wrong:
+            lines.append(f"- {f.diagnosis}: {f.message}")
+            if f.printed:
+                lines.append(f"  returned: {', '.join(f.printed)}")
+                lines.append(f"  correct:  {', '.join(f'{x:.4f}' for x in f.expected)}")
+        raise AssertionError("\n".join(lines))
