@@ -247,6 +247,49 @@ def _rows(x: torch.Tensor, p: Piece) -> torch.Tensor:
     return x[:, :, p.local : p.local + p.length]
 
 
+def _attend_step(
+    ring: _Ring,
+    step: int,
+    q: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """Merge the pairs of ring step ``step`` (this rank's query rows against the key/value
+    block ``kv``) into ``out`` and ``lse``, in place, in their dtype."""
+    for qp, kp, rule in ring.steps[step]:
+        part, part_lse = _pair(ring, rule, _rows(q, qp), _rows(kv[0], kp), _rows(kv[1], kp))
+        o, s = _merge(_rows(out, qp), _rows(lse, qp), part.to(out.dtype), part_lse.to(out.dtype))
+        out[:, :, qp.local : qp.local + qp.length] = o
+        lse[:, :, qp.local : qp.local + qp.length] = s
+
+
+def _grad_step(
+    ring: _Ring,
+    step: int,
+    q: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    saved: tuple[torch.Tensor, torch.Tensor],
+    grads: tuple[torch.Tensor, torch.Tensor],
+    dq: torch.Tensor,
+    dkv: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    """Add the gradients of ring step ``step``'s pairs: to ``dq`` for this rank's rows and to
+    ``dkv`` for the rows of the key/value block ``kv``. ``saved`` is (out, lse with −inf
+    as 0), ``grads`` is (dOut, dLse)."""
+    for qp, kp, rule in ring.steps[step]:
+        dq_p, dk_p, dv_p = _pair_grads(
+            ring,
+            rule,
+            (_rows(q, qp), _rows(kv[0], kp), _rows(kv[1], kp)),
+            (_rows(saved[0], qp), _rows(saved[1], qp)),
+            (_rows(grads[0], qp), _rows(grads[1], qp)),
+        )
+        dq[:, :, qp.local : qp.local + qp.length] += dq_p
+        dkv[0][:, :, kp.local : kp.local + kp.length] += dk_p
+        dkv[1][:, :, kp.local : kp.local + kp.length] += dv_p
+
+
 class _RingFunction(torch.autograd.Function):
     """The ring forward and its ring backward (dK/dV travel home)."""
 
@@ -269,15 +312,7 @@ class _RingFunction(torch.autograd.Function):
             incoming = spare
             if step < ring.last:
                 work = _exchange(list(held), ring, incoming)
-            for qp, kp, rule in ring.steps[step]:
-                part, part_lse = _pair(
-                    ring, rule, _rows(q, qp), _rows(held[0], kp), _rows(held[1], kp)
-                )
-                o, s = _merge(
-                    _rows(out, qp), _rows(lse, qp), part.to(compute), part_lse.to(compute)
-                )
-                out[:, :, qp.local : qp.local + qp.length] = o
-                lse[:, :, qp.local : qp.local + qp.length] = s
+            _attend_step(ring, step, q, held, out, lse)
             for w in work:
                 w.wait()
             if work:
@@ -305,17 +340,8 @@ class _RingFunction(torch.autograd.Function):
         for step in range(ring.last + 1):
             incoming = [torch.empty_like(held[0]), torch.empty_like(held[1])]
             work = _exchange(list(held), ring, incoming) if step < ring.last else []
-            for qp, kp, rule in ring.steps[step]:
-                dq_p, dk_p, dv_p = _pair_grads(
-                    ring,
-                    rule,
-                    (_rows(q, qp), _rows(held[0], kp), _rows(held[1], kp)),
-                    (_rows(out, qp), _rows(safe_lse, qp)),
-                    (_rows(grad_out, qp), _rows(grad_lse, qp)),
-                )
-                dq[:, :, qp.local : qp.local + qp.length] += dq_p
-                acc[0][:, :, kp.local : kp.local + kp.length] += dk_p
-                acc[1][:, :, kp.local : kp.local + kp.length] += dv_p
+            saved, grads = (out, safe_lse), (grad_out, grad_lse)
+            _grad_step(ring, step, q, held, saved, grads, dq, (acc[0], acc[1]))
             for w in work:
                 w.wait()
             # the accumulators follow their block one hop; after the last step, they go
@@ -349,15 +375,7 @@ class _GatherFunction(torch.autograd.Function):
         keys, values = _gather(k, ring), _gather(v, ring)
         for step in range(ring.last + 1):
             src = (ring.rank - step) % ring.size
-            for qp, kp, rule in ring.steps[step]:
-                part, part_lse = _pair(
-                    ring, rule, _rows(q, qp), _rows(keys[src], kp), _rows(values[src], kp)
-                )
-                o, s = _merge(
-                    _rows(out, qp), _rows(lse, qp), part.to(compute), part_lse.to(compute)
-                )
-                out[:, :, qp.local : qp.local + qp.length] = o
-                lse[:, :, qp.local : qp.local + qp.length] = s
+            _attend_step(ring, step, q, (keys[src], values[src]), out, lse)
         ctx.ring = ring
         ctx.save_for_backward(q, out, lse, torch.stack(keys), torch.stack(values))
         return out.to(q.dtype), lse
@@ -377,17 +395,9 @@ class _GatherFunction(torch.autograd.Function):
         acc = [torch.zeros(x.shape, dtype=compute, device=x.device) for x in (keys, values)]
         for step in range(ring.last + 1):
             src = (ring.rank - step) % ring.size
-            for qp, kp, rule in ring.steps[step]:
-                dq_p, dk_p, dv_p = _pair_grads(
-                    ring,
-                    rule,
-                    (_rows(q, qp), _rows(keys[src], kp), _rows(values[src], kp)),
-                    (_rows(out, qp), _rows(safe_lse, qp)),
-                    (_rows(grad_out, qp), _rows(grad_lse, qp)),
-                )
-                dq[:, :, qp.local : qp.local + qp.length] += dq_p
-                acc[0][src, :, :, kp.local : kp.local + kp.length] += dk_p
-                acc[1][src, :, :, kp.local : kp.local + kp.length] += dv_p
+            saved, grads = (out, safe_lse), (grad_out, grad_lse)
+            kv = (keys[src], values[src])
+            _grad_step(ring, step, q, kv, saved, grads, dq, (acc[0][src], acc[1][src]))
         if ring.size > 1:
             for a in acc:
                 dist.all_reduce(a, group=ring.group)
