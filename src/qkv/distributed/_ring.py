@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from qkv.distributed._layout import Layout, Piece, check_layout, pieces, rank_and_size
 from qkv.distributed._layout import _positions as _layout_positions
-from qkv.kernels._api import run_tiled, with_sinks
+from qkv.kernels._api import check_sinks, run_tiled, with_sinks
 from qkv.masks import EMPTY, Mask, with_causal
 
 __all__ = ["STRATEGIES", "ring_attention"]
@@ -92,7 +92,7 @@ def ring_attention(
             "ranks; use qkv.masks.from_function for a rule of your own."
         )
     _check_tensors(q, k, v)
-    checked_sinks = None if sinks is None else _check_sinks(sinks, q)
+    checked_sinks = None if sinks is None else check_sinks(sinks, q)
     rank, size = rank_and_size(group)
     _check_same_on_every_rank(q, k, v, size, group)
     local = q.shape[2]
@@ -247,6 +247,23 @@ def _rows(x: torch.Tensor, p: Piece) -> torch.Tensor:
     return x[:, :, p.local : p.local + p.length]
 
 
+def _empty_merge(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merged output (B, H, N/P, Dv) and lse (B, H, N/P) before any step: zeros and −inf,
+    in float32, or float64 for float64 inputs."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    batch, heads, local, _ = q.shape
+    out = q.new_zeros((batch, heads, local, v.shape[-1]), dtype=compute)
+    return out, q.new_full((batch, heads, local), -math.inf, dtype=compute)
+
+
+def _backward_inputs(
+    out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor, grad_lse: torch.Tensor
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """(out, lse with −inf as 0) and (dOut, dLse) in the merge's dtype, for :func:`_grad_step`."""
+    safe_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    return (out, safe_lse), (grad_out.to(out.dtype), grad_lse.to(out.dtype))
+
+
 def _attend_step(
     ring: _Ring,
     step: int,
@@ -301,10 +318,7 @@ class _RingFunction(torch.autograd.Function):
         v: torch.Tensor,
         ring: _Ring,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-        batch, heads, local, _ = q.shape
-        out = q.new_zeros((batch, heads, local, v.shape[-1]), dtype=compute)
-        lse = q.new_full((batch, heads, local), -math.inf, dtype=compute)
+        out, lse = _empty_merge(q, v)
         held = (k.contiguous(), v.contiguous())
         spare = [torch.empty_like(held[0]), torch.empty_like(held[1])]
         for step in range(ring.last + 1):
@@ -331,16 +345,13 @@ class _RingFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring: _Ring = ctx.ring
         compute = out.dtype
-        grad_out = grad_out.to(compute)
-        grad_lse = grad_lse.to(compute)
-        safe_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+        saved, grads = _backward_inputs(out, lse, grad_out, grad_lse)
         dq = torch.zeros(q.shape, dtype=compute, device=q.device)
         held = (k.contiguous(), v.contiguous())
         acc = [torch.zeros(x.shape, dtype=compute, device=x.device) for x in (k, v)]
         for step in range(ring.last + 1):
             incoming = [torch.empty_like(held[0]), torch.empty_like(held[1])]
             work = _exchange(list(held), ring, incoming) if step < ring.last else []
-            saved, grads = (out, safe_lse), (grad_out, grad_lse)
             _grad_step(ring, step, q, held, saved, grads, dq, (acc[0], acc[1]))
             for w in work:
                 w.wait()
@@ -368,10 +379,7 @@ class _GatherFunction(torch.autograd.Function):
         v: torch.Tensor,
         ring: _Ring,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-        batch, heads, local, _ = q.shape
-        out = q.new_zeros((batch, heads, local, v.shape[-1]), dtype=compute)
-        lse = q.new_full((batch, heads, local), -math.inf, dtype=compute)
+        out, lse = _empty_merge(q, v)
         keys, values = _gather(k, ring), _gather(v, ring)
         for step in range(ring.last + 1):
             src = (ring.rank - step) % ring.size
@@ -387,15 +395,12 @@ class _GatherFunction(torch.autograd.Function):
         q, out, lse, keys, values = ctx.saved_tensors
         ring: _Ring = ctx.ring
         compute = out.dtype
-        grad_out = grad_out.to(compute)
-        grad_lse = grad_lse.to(compute)
-        safe_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+        saved, grads = _backward_inputs(out, lse, grad_out, grad_lse)
         dq = torch.zeros(q.shape, dtype=compute, device=q.device)
         # every rank's contribution to every block; the all-reduce sums them
         acc = [torch.zeros(x.shape, dtype=compute, device=x.device) for x in (keys, values)]
         for step in range(ring.last + 1):
             src = (ring.rank - step) % ring.size
-            saved, grads = (out, safe_lse), (grad_out, grad_lse)
             kv = (keys[src], values[src])
             _grad_step(ring, step, q, kv, saved, grads, dq, (acc[0][src], acc[1][src]))
         if ring.size > 1:
@@ -594,18 +599,3 @@ def _check_same_on_every_rank(
             f"the shards differ between ranks ({shapes}). Hint: every rank must pass shards "
             "of one shape and dtype, from qkv.distributed.shard on the same full tensors."
         )
-
-
-def _check_sinks(sinks: Any, q: torch.Tensor) -> torch.Tensor:
-    heads = q.shape[1]
-    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
-        raise TypeError(
-            f"sinks must be a floating-point torch.Tensor of shape ({heads},), got "
-            f"{type(sinks).__name__}. Hint: torch.zeros({heads}) or an nn.Parameter."
-        )
-    if tuple(sinks.shape) != (heads,):
-        raise ValueError(
-            f"sinks must have shape ({heads},), one logit per query head; got "
-            f"{tuple(sinks.shape)}. Hint: the same (H,) tensor on every rank."
-        )
-    return sinks

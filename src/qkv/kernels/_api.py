@@ -101,7 +101,7 @@ def tiled_attention(
         scale=1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale),
         dropout_p=float(dropout_p),
         seed=draw_seed(generator, torch_inputs=True) if dropout_p > 0 else None,
-        sinks=None if sinks is None else _check_sinks(sinks, query),
+        sinks=None if sinks is None else check_sinks(sinks, query),
         return_lse=return_lse,
         block_q=block_q,
         block_kv=block_kv,
@@ -248,8 +248,8 @@ def captured_tensors(
     return tuple(found.values())
 
 
-def _check_sinks(sinks: Any, query: torch.Tensor) -> torch.Tensor:
-    """``sinks`` for :func:`tiled_attention`: a floating (H,) tensor, finite or −inf."""
+def check_sinks(sinks: Any, query: torch.Tensor) -> torch.Tensor:
+    """``sinks`` for a query (B, H, L, D): a floating (H,) tensor, finite or −inf."""
     heads = query.shape[1]
     if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
         raise TypeError(
