@@ -18,7 +18,7 @@ import pytest
 import qkv
 from qkv import examples, render
 from qkv.cli import main
-from qkv.render._html import notebook_html, page_data
+from qkv.render._html import notebook_html, page_data, page_script
 from tests.support.traces import two_layers
 
 ASSETS = Path(render.__file__).parent / "assets"
@@ -62,6 +62,7 @@ def test_page_is_one_file_with_its_own_script_and_style_and_no_address() -> None
     no_svg_namespace = page.replace('"http://www.w3.org/2000/svg"', "")
     assert re.search(r"https?:|//cdn|\bsrc=|\bhref=|@import|url\(", no_svg_namespace) is None
     assert (ASSETS / "page.js").read_text(encoding="utf-8") in page
+    assert page_script() in page
 
 
 def test_content_security_policy_allows_only_the_inline_script_and_style() -> None:

@@ -419,8 +419,29 @@ def _sha256(text: str) -> str:
     return base64.b64encode(hashlib.sha256(text.encode("utf-8")).digest()).decode("ascii")
 
 
+SCRIPTS = ("page.js",)
+"""The page's scripts, inlined in this order as one ``<script>``: ``page.js`` defines
+``window.qkvPage`` (the page's state and helpers); each later file adds a part of the page
+with ``qkvPage.extend({...})``; the page starts once all of them are read."""
+
+STYLES = ("page.css",)
+"""The page's style sheets, inlined in this order as one ``<style>``."""
+
+_START = "window.qkvPage.start();\n"
+
+
+def page_script() -> str:
+    """The page's whole script: every file of :data:`SCRIPTS`, then the line that starts it."""
+    return "".join(_asset(name) for name in SCRIPTS) + _START
+
+
+def page_style() -> str:
+    """The page's whole style sheet: every file of :data:`STYLES`."""
+    return "".join(_asset(name) for name in STYLES)
+
+
 def _assemble(data: dict[str, Any]) -> str:
-    css, script = _asset("page.css"), _asset("page.js")
+    css, script = page_style(), page_script()
     for name, text, end in (("page.css", css, "</style"), ("page.js", script, "</script")):
         if end in text.lower() or "<!--" in text:  # would end the inline element early
             raise RuntimeError(f"qkv's {name} must not contain {end!r} or '<!--'")

@@ -206,6 +206,7 @@
     }
     ui.headBox.hidden = call().heads < 2 || ui.head.options.length < 2;
     buildHeadView();
+    notify("call");
     selectHead(0);
   }
 
@@ -215,6 +216,7 @@
     renderSteps();
     refreshHeadView();
     highlight();
+    notify("head");
   }
 
   function pinQuery(index) {
@@ -710,14 +712,57 @@
     for (const note of notes) box.append(el("p", { class: "note", text: note }));
   }
 
-  // -- start ----------------------------------------------------------------------------------
+  // -- parts added by other files, and the start -------------------------------------------
+  //
+  // The page is one script made of several files (render/_html.py: SCRIPTS). This file goes
+  // first and defines window.qkvPage; every later file adds a part of the page with
+  // qkvPage.extend({ shell(api), call(api), head(api) }), whose functions run after the page's
+  // frame is built, after a layer is selected, and after a head is selected. The page starts
+  // (qkvPage.start()) once every file has been read.
 
-  try {
-    buildShell();
-    selectCall(0);
-    app.setAttribute("aria-busy", "false");
-  } catch (error) {
-    app.replaceChildren(el("p", { text: "qkv: this page could not be shown: " + error.message }));
-    throw error;
+  const parts = [];
+
+  function notify(moment) {
+    for (const part of parts) if (part[moment]) part[moment](api);
   }
+
+  const api = {
+    data: data,
+    app: app,
+    labels: labels,
+    state: state,
+    ui: ui,
+    el: el,
+    svgEl: svgEl,
+    fmt: fmt,
+    values: values,
+    scaleOf: scaleOf,
+    colour: colour,
+    ink: ink,
+    css: css,
+    call: call,
+    stepFor: stepFor,
+    visibleSections: visibleSections,
+    selectCall: selectCall,
+    selectHead: selectHead,
+    pinQuery: pinQuery,
+    renderSteps: renderSteps,
+    refreshHeadView: refreshHeadView,
+    highlight: highlight,
+    extend: function (part) {
+      parts.push(part);
+    },
+    start: function () {
+      try {
+        buildShell();
+        notify("shell");
+        selectCall(0);
+        app.setAttribute("aria-busy", "false");
+      } catch (error) {
+        app.replaceChildren(el("p", { text: "qkv: this page could not be shown: " + error.message }));
+        throw error;
+      }
+    },
+  };
+  window.qkvPage = api;
 })();
