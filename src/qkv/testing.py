@@ -46,6 +46,7 @@ def check_attention(
     array: str = "auto",
     alignment: str = "top-left",
     timeout: float = 20.0,
+    batched: bool = False,
 ) -> FunctionReport:
     """Check an attention function; the report ``qkv check --function`` prints.
 
@@ -60,6 +61,9 @@ def check_attention(
         alignment: the causal rule meant when Lq ≠ Lk: ``"top-left"`` (query i sees keys
             0 … i, PyTorch's ``is_causal``) or ``"bottom-right"``.
         timeout: seconds allowed to a ``"FILE.py:NAME"`` (ignored for a function).
+        batched: also require batched inputs (B, H, L, d) to work (kinds attention and
+            causal); a function that fails them is ``unbatched``. Without it, the probes are
+            (L, d), and a function that only takes (B, H, L, d) is probed with B = H = 1.
 
     Raises:
         FunctionError: the function cannot be loaded or called, crashed or timed out.
@@ -67,9 +71,17 @@ def check_attention(
     """
     if isinstance(fn, str):
         return _check_function_file(
-            fn, kind, mask_means=mask_means, array=array, alignment=alignment, timeout=timeout
+            fn,
+            kind,
+            mask_means=mask_means,
+            array=array,
+            alignment=alignment,
+            timeout=timeout,
+            batched=batched,
         )
-    return _check_function(fn, kind, mask_means=mask_means, array=array, alignment=alignment)
+    return _check_function(
+        fn, kind, mask_means=mask_means, array=array, alignment=alignment, batched=batched
+    )
 
 
 def assert_attention(
@@ -80,6 +92,7 @@ def assert_attention(
     array: str = "auto",
     alignment: str = "top-left",
     timeout: float = 20.0,
+    batched: bool = False,
 ) -> None:
     """Assert that ``fn`` computes attention; the failure message names each slip and says
     what the step should have been (the arguments of :func:`check_attention`).
@@ -89,7 +102,13 @@ def assert_attention(
         FunctionError: the function cannot be loaded or called.
     """
     report = check_attention(
-        fn, kind, mask_means=mask_means, array=array, alignment=alignment, timeout=timeout
+        fn,
+        kind,
+        mask_means=mask_means,
+        array=array,
+        alignment=alignment,
+        timeout=timeout,
+        batched=batched,
     )
     if not report.ok:
         wrong = [f for f in report.findings if f.wrong]

@@ -371,12 +371,21 @@ def test_arithmetic_names_the_wrong_numbers() -> None:
 def test_every_code_is_described() -> None:
     assert list(DIAGNOSES) == [
         "unscaled",
+        "scaled-by-dmodel",
         "scaled-by-dk",
         "transposed-weights",
         "softmax-wrong-axis",
         "query-key-swapped",
+        "sum-normalised",
+        "mask-ignored",
+        "mask-inverted",
+        "causal-misaligned",
         "context-not-summed",
+        "other-weights",
+        "heads-averaged",
         "wrong-query",
+        "not-softmax",
+        "digit-slip",
         "arithmetic",
         "rounding",
     ]

@@ -189,6 +189,12 @@ def mh_wrong_axis(X: Any, W_q: Any, W_k: Any, W_v: Any, W_o: Any, h: int) -> Any
     return np.concatenate(parts, axis=-1) @ W_o
 
 
+def relu_normalised(Q: Any, K: Any, V: Any) -> Any:
+    """A normalisation that is no softmax: negative scores cut to 0, then divided by the sum."""
+    s = np.maximum(Q @ K.T / np.sqrt(Q.shape[-1]), 0.0) + 1e-9
+    return (s / s.sum(axis=-1, keepdims=True)) @ V
+
+
 def garbage(Q: Any, K: Any, V: Any) -> Any:
     return attention(Q, K, V)[0] + 0.1
 
@@ -199,6 +205,7 @@ SLIPPED = [
     ("attention", wrong_axis, "softmax-wrong-axis"),
     ("attention", swapped, "query-key-swapped"),
     ("attention", sum_normalised, "sum-normalised"),
+    ("attention", relu_normalised, "not-softmax"),
     ("attention", no_max_subtraction, "no-max-subtraction"),
     ("attention", mask_ignored, "mask-ignored"),
     ("attention", mask_inverted, "mask-inverted"),
@@ -225,7 +232,8 @@ def test_each_slip_is_named_by_its_code(kind: str, fn: Fn, code: str) -> None:
 
 
 def test_every_function_code_has_a_buggy_function_here() -> None:
-    tested = {code for _, _, code in SLIPPED} | {"masked-row-nan"}
+    # unbatched and batched inputs: test_function_probes.py
+    tested = {code for _, _, code in SLIPPED} | {"masked-row-nan", "unbatched"}
     assert tested == set(FUNCTION_DIAGNOSES)
 
 

@@ -3,7 +3,8 @@
 Tutorials, lecture notes and homework often print attention numbers that are wrong. A worked
 example file (``docs/example-format.md``) can carry the numbers a text printed under
 ``claimed``; :func:`check` compares every claimed row with the correct one in the order of
-computation (Q, K, V, scores, scaled, weights, context, output) and says, for each:
+computation (Q, K, V, scores, scaled, exp, exp_sum, weights, products, context, output)
+and says, for each:
 
 - ``ok``: it matches within its printed precision (half a unit of the last printed digit,
   widened by the rounding carried from the claimed numbers before it);
@@ -13,7 +14,10 @@ computation (Q, K, V, scores, scaled, weights, context, output) and says, for ea
 - ``note``: off only beyond the printed digits (``rounding``), not counted as an error.
 
 Every message says, in plain words, what the step should have been and gives the correct
-numbers. ``qkv check`` is the command-line form (docs/check.md).
+numbers. A ``format: 2`` file is judged with the precision policy of docs/check.md (exact
+numbers carry no rounding; inputs declared rounded widen every allowance by their true
+effect) and the codes of format 2 (``sum-normalised``, ``not-softmax``, ``digit-slip``, ...).
+``qkv check`` is the command-line form (docs/check.md).
 
 Example:
     >>> from qkv.check import check

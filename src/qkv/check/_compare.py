@@ -15,23 +15,26 @@ not blamed). SAFETY covers the second-order terms (two roundings multiplied).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from qkv.check._pipeline import (
-    ROW_STEPS,
     STEPS,
     Overrides,
     Setup,
     Slip,
     Values,
     forward,
+    index_of,
     row_of,
+    slot_head,
+    step_of,
 )
 
-__all__ = ["Entry", "Sensitivity", "allowance", "grade", "half_units", "matches"]
+__all__ = ["Entry", "Sensitivity", "allowance", "grade", "half_units", "input_effect", "matches"]
 
 SAFETY = 1.5
 """Carried rounding is a first-order estimate; this factor covers products of two roundings."""
@@ -55,7 +58,8 @@ def half_units(decimals: Sequence[int]) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Entry:
-    """One claimed number: its step, token, place in the row and half unit."""
+    """One claimed number: its slot (step, or ``step@head``), token, place in the row and
+    half unit (0 for a number that leaves no doubt: it is not moved)."""
 
     step: str
     row: int
@@ -94,20 +98,25 @@ class Sensitivity:
         self.values: Values = forward(setup, slip, base)
         self.entries = tuple(entries)
         stop = len(STEPS) if until is None else STEPS.index(until)
+        self._heads = int(self.values["scores"].shape[0])
+        self._effect = input_effect(setup)
         # step → (entries, *shape of the step): how much each entry's half unit moves it.
         self._stack = {
             name: np.zeros((len(self.entries), *v.shape)) for name, v in self.values.items()
         }
         for k, entry in enumerate(self.entries):
-            if STEPS.index(entry.step) >= stop:
+            first = STEPS.index(step_of(entry.step))
+            if first >= stop or entry.half == 0:
                 continue
             row = np.array(row_of(self.values, entry.step, entry.row), dtype=np.float64)
+            if not np.isfinite(row[entry.index]):
+                continue
             for sign in (1.0, -1.0):
                 moved = row.copy()
                 moved[entry.index] += sign * entry.half
                 values = forward(setup, slip, _with(base, entry.step, entry.row, moved))
-                for name in STEPS[STEPS.index(entry.step) + 1 : stop + 1]:
-                    change = np.abs(values[name] - self.values[name])
+                for name in STEPS[first + 1 : stop + 1]:
+                    change = _change(values[name], self.values[name])
                     np.maximum(self._stack[name][k], change, out=self._stack[name][k])
 
     def carried(self, step: str, t: int, ratios: Sequence[float] | None = None) -> np.ndarray:
@@ -118,11 +127,80 @@ class Sensitivity:
             t: the token.
             ratios: per entry, how many half units it may be off (default 1 each).
         """
-        stack = self._stack[step]
-        rows = stack[:, t] if step in ROW_STEPS else stack[:, 0, t]  # (entries, n)
+        name = step_of(step)
+        where = index_of(self._stack[name].shape[1:], name, slot_head(step), t, self._heads)
+        rows = self._stack[name][(slice(None), *where)]  # (entries, n)
         weights = np.ones(len(self.entries)) if ratios is None else np.asarray(ratios, dtype=float)
         carried: np.ndarray = SAFETY * (weights @ rows)
+        if self._effect is not None:
+            carried = carried + self._effect[name][where]
         return carried
+
+
+def _change(moved: np.ndarray, base: np.ndarray) -> np.ndarray:
+    """|moved − base|, 0 where both are the same infinity (a masked score stays masked)."""
+    with np.errstate(invalid="ignore"):
+        change = np.abs(moved - base)
+    clean: np.ndarray = np.nan_to_num(change, nan=0.0, posinf=0.0)
+    return clean
+
+
+_EFFECTS: dict[int, tuple[Setup, Values | None]] = {}
+
+
+def input_effect(setup: Setup) -> Values | None:
+    """How far the inputs printed rounded (``precision:``) can move every step, or None.
+
+    Each input number is moved by half a unit of its printed precision, and the changes of
+    every step are added up (a first-order bound, times :data:`SAFETY` for the products of
+    two roundings), the way carried rounding is.
+
+    Example:
+        >>> from qkv.examples import loads
+        >>> ex = loads("format: 2\\ninputs: {scores: [[1.5, 2]]}\\nprecision: 1\\n"
+        ...            "options: {scale: false}")
+        >>> float(input_effect(Setup.of(ex))["scores"][0, 0, 0])
+        0.075
+    """
+    if not setup.precision:
+        return None
+    cached = _EFFECTS.get(id(setup))
+    if cached is not None and cached[0] is setup:
+        return cached[1]
+    base = forward(setup)
+    total = {name: np.zeros_like(value) for name, value in base.items()}
+    arrays = {"embeddings": "X", "W_q": "W_q", "W_k": "W_k", "W_v": "W_v", "W_o": "W_o"}
+    for name, decimals in setup.precision.items():
+        half = 0.5 * 10.0**-decimals
+        if name in setup.given:
+            source = setup.given[name]
+        else:
+            found = getattr(setup, arrays[name])
+            if found is None:
+                continue
+            source = found
+        for where in np.ndindex(source.shape):
+            moved = source.copy()
+            moved[where] += half
+            if name in setup.given:
+                changed = dataclasses.replace(setup, given={**setup.given, name: moved})
+            elif name == "embeddings":
+                changed = dataclasses.replace(setup, X=moved)
+            elif name == "W_q":
+                changed = dataclasses.replace(setup, W_q=moved)
+            elif name == "W_k":
+                changed = dataclasses.replace(setup, W_k=moved)
+            elif name == "W_v":
+                changed = dataclasses.replace(setup, W_v=moved)
+            else:
+                changed = dataclasses.replace(setup, W_o=moved)
+            values = forward(changed)
+            for step in total:
+                total[step] += _change(values[step], base[step])
+    effect = {step: SAFETY * value for step, value in total.items()}
+    _EFFECTS.clear()
+    _EFFECTS[id(setup)] = (setup, effect)
+    return effect
 
 
 def allowance(half: np.ndarray, carried: np.ndarray, computed: np.ndarray) -> np.ndarray:
@@ -132,10 +210,15 @@ def allowance(half: np.ndarray, carried: np.ndarray, computed: np.ndarray) -> np
 
 
 def grade(
-    claimed: np.ndarray, computed: np.ndarray, half: np.ndarray, carried: np.ndarray
+    claimed: np.ndarray,
+    computed: np.ndarray,
+    half: np.ndarray,
+    carried: np.ndarray,
+    band: np.ndarray | None = None,
 ) -> tuple[str, ...]:
     """Each claimed number: ``"ok"``, ``"rounding"`` (off by at most one unit of its last
-    printed digit, beyond the allowance) or ``"wrong"``.
+    printed digit, beyond the allowance) or ``"wrong"``. ``band``: how far beyond the
+    allowance a rounding note reaches (default ``half``; format 2 gives whole numbers none).
 
     Example:
         >>> half = half_units([2, 2, 2])
@@ -144,7 +227,7 @@ def grade(
     """
     off = np.abs(claimed - computed)
     ok = allowance(half, carried, computed)
-    near = ok + half  # one full unit of the last digit, plus the carried rounding
+    near = ok + (half if band is None else band)  # one full unit of the last digit
     return tuple(
         OK if d <= a else ROUNDING if d <= n else WRONG
         for d, a, n in zip(off, ok, near, strict=True)

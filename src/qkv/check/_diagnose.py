@@ -18,9 +18,16 @@ import numpy as np
 from qkv.check._compare import EPSILON, Entry, Sensitivity, matches
 from qkv.check._findings import DIAGNOSES
 from qkv.check._pipeline import (
+    HEADS_AVERAGED,
+    MASK_IGNORED,
+    MASK_INVERTED,
+    MISALIGNED,
     NOT_SUMMED,
+    OTHER_WEIGHTS,
     SCALED_BY_DK,
+    SCALED_BY_DMODEL,
     STEPS,
+    SUM_NORMALISED,
     SWAPPED,
     TRANSPOSED,
     UNSCALED,
@@ -35,7 +42,7 @@ from qkv.check._pipeline import (
     row_of,
 )
 
-__all__ = ["Problem", "diagnose_step", "slips_for"]
+__all__ = ["Problem", "diagnose_step", "other_weights", "slips_for"]
 
 LOOSE = 10.0
 """A slip is checked closely only when it is within this many carried roundings (a cheap
@@ -57,21 +64,23 @@ def slips_for(setup: Setup, step: str, t: int) -> list[Slip]:
         ['query-key-swapped', 'scaled-by-dk', 'softmax-wrong-axis', 'unscaled', 'wrong-query']
     """
     slips: list[Slip] = []
+    two = setup.policy == 2
     if _at_or_after(step, "scaled"):
         if not np.isclose(setup.factor, 1.0):
             slips.append(Slip(UNSCALED))
         if setup.d_k > 1 and not np.isclose(setup.factor, 1.0 / setup.d_k):
             slips.append(Slip(SCALED_BY_DK))
+        dmodel = 1.0 / np.sqrt(max(setup.d_model, 1))
+        if two and setup.heads > 1 and not np.isclose(setup.factor, dmodel):
+            slips.append(Slip(SCALED_BY_DMODEL))
     uses = {
         "Q": ("W_q",),
         "K": ("W_k",),
         "V": ("W_v",),
-        "scores": ("W_q", "W_k"),
-        "scaled": ("W_q", "W_k"),
-        "weights": ("W_q", "W_k"),
         "context": ("W_q", "W_k", "W_v"),
+        "products": ("W_q", "W_k", "W_v"),
         "output": ("W_q", "W_k", "W_v", "W_o"),
-    }[step]
+    }.get(step, ("W_q", "W_k"))
     square = []
     for name in uses:
         w = setup.matrix(name)
@@ -80,18 +89,53 @@ def slips_for(setup: Setup, step: str, t: int) -> list[Slip]:
     slips += [Slip(TRANSPOSED, weights=(name,)) for name in square]
     if len(square) > 1:
         slips.append(Slip(TRANSPOSED, weights=tuple(square)))
-    if _at_or_after(step, "weights") and setup.length > 1:
+    if two and _at_or_after(step, "exp") and setup.masked:
+        slips += [Slip(MASK_IGNORED), Slip(MASK_INVERTED)]
+        if setup.causal and setup.lq != setup.lk:
+            slips.append(Slip(MISALIGNED))
+    if _at_or_after(step, "weights") and setup.lq > 1:
         slips.append(Slip(WRONG_AXIS))
-    if _at_or_after(step, "scores") and setup.length > 1:
+    if two and _at_or_after(step, "weights"):
+        slips.append(Slip(SUM_NORMALISED))
+    if _at_or_after(step, "scores") and setup.length > 1 and setup.lq == setup.lk:
         slips.append(Slip(SWAPPED))
     if step == "context":
-        pairs = [(q, t) for q in range(setup.length)]
-        pairs += [(t, j) for j in range(setup.length) if j != t]
+        pairs = [(q, t) for q in range(setup.lq)] if setup.lq == setup.lk else []
+        pairs += [(t, j) for j in range(setup.lk) if j != t]
         slips += [Slip(NOT_SUMMED, row=t, query=q, key=j) for q, j in pairs]
-    if step != "K" and step != "V":
-        others = [j for j in range(setup.length) if j != t]
+    if two and setup.heads > 1 and step in ("context", "output"):
+        slips.append(Slip(HEADS_AVERAGED))
+    if step != "K" and step != "V" and "scores" not in setup.given:
+        others = [j for j in range(setup.lq) if j != t]
         slips += [Slip(WRONG_QUERY, row=t, query=j) for j in others]
     return slips
+
+
+def other_weights(
+    setup: Setup, t: int, claimed: np.ndarray, values: Values, printed: Values | None
+) -> list[Slip]:
+    """``other-weights`` slips for a context row: the printed or correct weights rounded to
+    0–3 decimals, and (when there are at most d_v + 1 keys) the one weighting (summing to
+    1) whose sum of value vectors is the printed row, if it is ≥ 0."""
+    if setup.heads != 1 or not setup.has_values:
+        return []
+    found: list[tuple[float, ...]] = []
+    sources = [values["weights"][0, t]]
+    if printed is not None:
+        sources.insert(0, printed["weights"][0, t])
+    for weights in sources:
+        for decimals in range(4):
+            rounded = tuple(float(w) for w in np.round(weights, decimals))
+            if rounded not in found and not np.allclose(rounded, weights, rtol=0, atol=1e-12):
+                found.append(rounded)
+    v = values["V"]  # (Lk, Dv)
+    a = np.vstack([v.T, np.ones((1, v.shape[0]))])  # Σ_j w_j·v_j = c and Σ_j w_j = 1
+    if v.shape[0] <= v.shape[1] + 1 and np.linalg.matrix_rank(a) == v.shape[0]:
+        solved, *_ = np.linalg.lstsq(a, np.concatenate([claimed, [1.0]]), rcond=None)
+        like = bool(np.all(solved >= -0.005))
+        if like and not np.allclose(solved, values["weights"][0, t], rtol=0, atol=5e-3):
+            found.append(tuple(float(w) for w in solved))
+    return [Slip(OTHER_WEIGHTS, row=t, other=w) for w in found]
 
 
 @dataclass(frozen=True)
@@ -101,11 +145,14 @@ class Problem:
     t: int
     claimed: np.ndarray
     half: np.ndarray
+    slot: str = ""
 
 
 def _group(candidate: Candidate, t: int) -> tuple[object, ...]:
     """Candidates that are 'the same mistake' on different rows share this key."""
     slip = candidate.slip
+    if slip.code == OTHER_WEIGHTS:
+        return (slip.code, candidate.start, t)
     if slip.code == NOT_SUMMED:
         one_query = slip.key == t  # the terms of one query, each labelled by its key
         return (slip.code, candidate.start, "key" if one_query else "query", slip.query)
@@ -121,7 +168,7 @@ def diagnose_step(
     problems: Sequence[Problem],
     entries: Sequence[Entry],
     starts: Sequence[tuple[str, Overrides, Sensitivity, Sequence[float] | None]],
-) -> dict[int, Candidate | None]:
+) -> dict[tuple[int, str], Candidate | None]:
     """The slip that explains each wrong row of one step, or None (an arithmetic mistake).
 
     Args:
@@ -133,39 +180,47 @@ def diagnose_step(
             :class:`Sensitivity` from there, the ratios of its entries).
 
     Returns:
-        token → the chosen candidate, or None where no slip reproduces the row.
+        (token, slot) → the chosen candidate, or None where no slip reproduces the row.
     """
     forwards: dict[tuple[Slip, str], Values] = {}
     sensitivities: dict[tuple[Slip, str], Sensitivity] = {}
-    found: dict[int, list[Candidate]] = {}
+    found: dict[tuple[int, str], list[Candidate]] = {}
     for problem in problems:
-        found[problem.t] = []
-        for slip in slips_for(setup, step, problem.t):
-            for name, base, plain, ratios in starts:
+        slot = problem.slot or step
+        where = (problem.t, slot)
+        found[where] = []
+        slips = slips_for(setup, step, problem.t)
+        if setup.policy == 2 and step in ("context", "output") and slot == step:
+            printed = next((b for n, b, *_ in starts if n == "claimed"), None)
+            printed_values = None if printed is None else forward(setup, None, printed)
+            plain = starts[-1][2].values
+            slips += other_weights(setup, problem.t, problem.claimed, plain, printed_values)
+        for slip in slips:
+            for name, base, plain_sens, ratios in starts:
                 key = (slip, name)
                 if key not in forwards:
                     forwards[key] = forward(setup, slip, base)
-                value = row_of(forwards[key], step, problem.t)
-                plain_value = row_of(plain.values, step, problem.t)
+                value = row_of(forwards[key], slot, problem.t)
+                plain_value = row_of(plain_sens.values, slot, problem.t)
                 if np.allclose(value, plain_value, rtol=0, atol=EPSILON):
                     continue  # the slip changes nothing here
-                carried = plain.carried(step, problem.t, ratios)
+                carried = plain_sens.carried(slot, problem.t, ratios)
                 off = np.abs(problem.claimed - value)
                 if np.any(off > problem.half + LOOSE * carried + 10 * EPSILON):
                     continue
                 if key not in sensitivities:
                     sensitivities[key] = Sensitivity(setup, slip, base, entries, until=step)
-                close = sensitivities[key].carried(step, problem.t, ratios)
+                close = sensitivities[key].carried(slot, problem.t, ratios)
                 if matches(problem.claimed, value, problem.half, close):
-                    found[problem.t].append(Candidate(slip, name, value, forwards[key]))
+                    found[where].append(Candidate(slip, name, value, forwards[key]))
     counts: dict[tuple[object, ...], int] = {}
-    for t, candidates in found.items():
+    for (t, _), candidates in found.items():
         for group in {_group(c, t) for c in candidates}:
             counts[group] = counts.get(group, 0) + 1
     start_order = {name: k for k, (name, *_) in enumerate(starts)}
-    chosen: dict[int, Candidate | None] = {}
-    for t, candidates in found.items():
-        chosen[t] = min(
+    chosen: dict[tuple[int, str], Candidate | None] = {}
+    for (t, slot), candidates in found.items():
+        chosen[t, slot] = min(
             candidates,
             key=lambda c: (
                 -counts[_group(c, t)],

@@ -19,7 +19,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qkv.check._compare import ROUNDING, WRONG, Entry, Sensitivity, grade, half_units, matches
+from qkv.check._compare import (
+    ROUNDING,
+    WRONG,
+    Entry,
+    Sensitivity,
+    grade,
+    half_units,
+    input_effect,
+    matches,
+)
 from qkv.check._diagnose import Problem, diagnose_step
 from qkv.check._pipeline import (
     STEPS,
@@ -28,26 +37,43 @@ from qkv.check._pipeline import (
     Setup,
     Values,
     correct_values,
+    forward,
     row_of,
+    step_of,
+)
+from qkv.check._policy import (
+    MASKED_BELOW,
+    digit_slip,
+    exact_halves,
+    exp_variant,
+    mask_pattern,
+    not_softmax,
 )
 from qkv.check._report import Finding, Report
 from qkv.check._words import Words
 from qkv.examples import Claimed, Example, resolve
+from qkv.examples._model import decimals_of
 
 __all__ = ["check"]
 
 
 @dataclass
 class _Row:
-    """One claimed row while it is being judged."""
+    """One claimed row while it is being judged (``slot``: the step, or ``step@head``)."""
 
     step: str
     t: int
+    slot: str
+    head: int | None
     claimed: Claimed
     values: np.ndarray
     half: np.ndarray
     correct: np.ndarray
     decimals: int
+    carry: np.ndarray | None = None
+    masked: np.ndarray | None = None
+    masked_ok: np.ndarray | None = None
+    band: np.ndarray | None = None
     marks: tuple[str, ...] = ()
     status: str = ""
     diagnosis: str | None = None
@@ -55,14 +81,14 @@ class _Row:
     cause: tuple[str, int] | None = None
 
 
-def _feeds(source: _Row, step: str, t: int, causal: bool) -> bool:
+def _feeds(source: _Row, step: str, t: int, allowed: np.ndarray) -> bool:
     """Whether the row ``source`` is an input (directly or not) of the row of ``t`` in ``step``."""
     if STEPS.index(source.step) >= STEPS.index(step):
         return False
-    if source.step == "V" and step in ("scores", "scaled", "weights"):
+    if source.step == "V" and step in ("scores", "scaled", "exp", "exp_sum", "weights"):
         return False
     if source.step in ("K", "V"):
-        return not causal or source.t <= t
+        return bool(allowed[t, source.t])
     return source.t == t
 
 
@@ -90,55 +116,125 @@ def check(example: Example | str | os.PathLike[str]) -> Report:
         example = resolve(example)
     setup = Setup.of(example)
     correct = correct_values(example)
-    rows = _claimed_rows(example, correct)
-    entries = [Entry(row.step, row.t, i, float(h)) for row in rows for i, h in enumerate(row.half)]
+    assumed = _assumed(example)
+    rows = _claimed_rows(example, setup, correct, assumed)
+    entries = [
+        Entry(row.slot, row.t, i, float(h))
+        for row in rows
+        for i, h in enumerate(row.half if row.carry is None else row.carry)
+    ]
     offsets = {id(row): sum(len(r.half) for r in rows[:k]) for k, row in enumerate(rows)}
     ratios = [1.0] * len(entries)
-    exact = Sensitivity(setup, None, {}, entries)
+    exact = Sensitivity(setup, None, assumed, entries)
+    claimed_steps = [s for s in STEPS if any(r.step == s for r in rows)]
     words = Words(
-        example.tokens, setup, example.scale, correct, [s for s in STEPS if example.claimed.get(s)]
+        example.tokens, setup, example.scale, correct, claimed_steps, example.queries_named
     )
     for step in STEPS:
         here = [row for row in rows if row.step == step]
         if not here:
             continue
         for row in here:
-            carried = exact.carried(step, row.t, ratios)
-            row.marks = grade(row.values, row.correct, row.half, carried)
+            carried = exact.carried(row.slot, row.t, ratios)
+            row.marks = grade(row.values, row.correct, row.half, carried, row.band)
             for i, mark in enumerate(row.marks):  # how far later steps may carry this number
-                if mark != WRONG:
+                if mark != WRONG and row.half[i] > 0:
                     off = abs(row.values[i] - row.correct[i]) / row.half[i]
                     ratios[offsets[id(row)] + i] = max(1.0, float(off))
             if WRONG not in row.marks:
                 _settle(row, words)
         pending = [row for row in here if not row.status]
         if pending:
-            _judge(setup, step, pending, rows, entries, exact, ratios, words)
+            _judge(setup, step, pending, rows, entries, exact, ratios, words, assumed)
     return Report(
         name=example.name,
         source=_source(example),
         tokens=tuple(example.tokens),
-        findings=tuple(_finding(row, example.tokens) for row in rows),
+        findings=tuple(_finding(row, example) for row in rows),
+        query_tokens=example.query_tokens,
     )
 
 
-def _claimed_rows(example: Example, correct: Values) -> list[_Row]:
-    rows = []
+def _assumed(example: Example) -> dict[str, dict[int, np.ndarray]]:
+    return {
+        step: {t: np.asarray(c.values, dtype=np.float64) for t, c in rows.items()}
+        for step, rows in example.assumed.items()
+    }
+
+
+def _claimed_rows(
+    example: Example, setup: Setup, correct: Values, assumed: Overrides
+) -> list[_Row]:
+    claims: list[tuple[str, int | None, int, Claimed]] = []
     for step in STEPS:
         for t, claimed in sorted(example.claimed.get(step, {}).items()):
-            decimals = claimed.decimals()
-            rows.append(
-                _Row(
-                    step=step,
-                    t=t,
-                    claimed=claimed,
-                    values=np.asarray(claimed.values, dtype=np.float64),
-                    half=half_units(decimals),
-                    correct=row_of(correct, step, t),
-                    decimals=min(max(max(decimals, default=0), 2), 8),
-                )
-            )
+            claims.append((step, None, t, claimed))
+        for h, by_step in enumerate(example.head_claimed):
+            for t, claimed in sorted(by_step.get(step, {}).items()):
+                claims.append((step, h, t, claimed))
+    effect = input_effect(setup)
+    allowed = setup.allowed()
+    rows: list[_Row] = []
+    printed: Values | None = None
+    printed_step = ""
+    for step, head, t, claimed in claims:
+        slot = step if head is None else f"{step}@{head}"
+        decimals = claimed.decimals()
+        values = np.asarray(claimed.values, dtype=np.float64)
+        right = np.array(row_of(correct, slot, t), dtype=np.float64)
+        half = half_units(decimals)
+        row = _Row(
+            step=step,
+            t=t,
+            slot=slot,
+            head=head,
+            claimed=claimed,
+            values=values,
+            half=half,
+            correct=right,
+            decimals=min(max(max(decimals, default=0), 2), 8),
+        )
+        if setup.policy == 2:
+            if printed_step != step:  # the step computed from the rows printed before it
+                base: dict[str, dict[int, np.ndarray]] = {k: dict(v) for k, v in assumed.items()}
+                for r in rows:
+                    base.setdefault(r.slot, {})[r.t] = r.values
+                printed, printed_step = forward(setup, None, base), step
+            _policy2(row, setup, correct, printed, effect, allowed)
+        rows.append(row)
     return rows
+
+
+def _policy2(
+    row: _Row,
+    setup: Setup,
+    correct: Values,
+    printed: Values | None,
+    effect: Values | None,
+    allowed: np.ndarray,
+) -> None:
+    """Format 2: masked scores, the variant of the exponentials, and the precision policy."""
+    if row.step in ("scores", "scaled"):
+        masked = ~np.isfinite(row.values) | (row.values <= MASKED_BELOW)
+        if masked.any():
+            row.masked = masked
+            ok = masked & ~allowed[row.t]
+            row.masked_ok = ok
+            row.values = np.where(ok, 0.0, row.values)  # masked as it must be: compared as equal
+            row.correct = np.where(ok, 0.0, row.correct)
+            row.half = np.where(masked, 0.0, row.half)
+    if row.step in ("exp", "exp_sum"):
+        scaled = row_of(correct, "scaled" if row.head is None else f"scaled@{row.head}", row.t)
+        scaled = np.where(allowed[row.t], scaled, -np.inf)
+        row.correct = exp_variant(row.values, row.correct, scaled)
+    from_printed = None if printed is None else row_of(printed, row.slot, row.t)
+    doubt = None if effect is None else row_of(effect, row.slot, row.t)
+    row.band = np.array(
+        [0.0 if decimals_of(t) == 0 else 0.5 * 10.0 ** -decimals_of(t) for t in row.claimed.texts]
+    )
+    row.half, row.carry = exact_halves(
+        row.values, row.claimed.texts, row.correct, from_printed, row.half, doubt
+    )
 
 
 def _settle(row: _Row, words: Words) -> None:
@@ -160,18 +256,20 @@ def _judge(
     exact: Sensitivity,
     ratios: Sequence[float],
     words: Words,
+    assumed: Overrides,
 ) -> None:
     """Consequential or a mistake of its own (with a diagnosis), for the wrong rows of a step."""
-    base: dict[str, dict[int, np.ndarray]] = {}
+    base: dict[str, dict[int, np.ndarray]] = {k: dict(v) for k, v in assumed.items()}
     for row in rows:
         if STEPS.index(row.step) < STEPS.index(step):
-            base.setdefault(row.step, {})[row.t] = row.values
+            base.setdefault(row.slot, {})[row.t] = row.values
     starts: list[tuple[str, Overrides, Sensitivity, Sequence[float] | None]] = []
     printed: Sensitivity | None = None
-    if base:
+    if any(step_of(k) not in assumed for k in base):
         printed = Sensitivity(setup, None, base, entries, until=step)
         starts.append(("claimed", base, printed, None))
-    starts.append(("exact", {}, exact, ratios))
+    starts.append(("exact", assumed, exact, ratios))
+    allowed = setup.allowed()
 
     mistakes = []
     for row in pending:
@@ -179,32 +277,78 @@ def _judge(
             source
             for source in rows
             if source.status in ("mismatch", "consequential")
-            and _feeds(source, step, row.t, setup.causal)
+            and _feeds(source, step, row.t, allowed)
         ]
         if printed is not None and causes:
-            value = row_of(printed.values, step, row.t)
-            if matches(row.values, value, row.half, printed.carried(step, row.t)):
+            value = row_of(printed.values, row.slot, row.t)
+            if matches(row.values, value, row.half, printed.carried(row.slot, row.t)):
                 row.status = "consequential"
                 roots = [c for c in causes if c.status == "mismatch"]
                 if not roots:
                     roots = [c for c in rows if (c.step, c.t) in {s.cause for s in causes}]
                 row.cause = roots[0].step, roots[0].t
                 row.message = (
-                    words.consequential(step, [(c.step, c.t) for c in roots], value, row.decimals)
+                    words.consequential(
+                        row.slot, [(c.step, c.t) for c in roots], value, row.decimals
+                    )
                     + " "
-                    + words.correct_line(step, row.t, row.decimals)
+                    + words.correct_line(row.slot, row.t, row.decimals)
                 )
                 continue
         mistakes.append(row)
     if not mistakes:
         return
-    problems = [Problem(row.t, row.values, row.half) for row in mistakes]
+    problems = [Problem(row.t, row.values, row.half, row.slot) for row in mistakes]
     chosen = diagnose_step(setup, step, problems, entries, starts)
     for row in mistakes:
         row.status = "mismatch"
-        candidate = chosen[row.t]
+        candidate = chosen[row.t, row.slot]
         row.diagnosis = "arithmetic" if candidate is None else candidate.slip.code
+        if candidate is None and setup.policy == 2:
+            message = _look_at_row(row, setup, printed, words)
+            if message:
+                row.message = message
+                continue
         row.message = _mistake_message(row, candidate, printed, words)
+
+
+def _look_at_row(row: _Row, setup: Setup, printed: Sensitivity | None, words: Words) -> str | None:
+    """Format 2's slips seen in the printed row itself: masked scores at the wrong keys, one
+    digit wrong, weights out of the order of their scores. Sets the diagnosis."""
+    p = row.decimals
+    if row.masked is not None:
+        code = mask_pattern(setup, row.t, row.masked)
+        if code is not None:
+            row.diagnosis = code
+            return f"{words.mask_slip(code, row.t)} {words.correct_line(row.slot, row.t, p)}"
+    refs: list[tuple[np.ndarray, list[int]]] = []
+    wrong = [i for i, mark in enumerate(row.marks) if mark == WRONG]
+    if all(mark == "ok" for i, mark in enumerate(row.marks) if i not in wrong):
+        refs.append((row.correct, wrong))
+    if printed is not None:  # a slip in a number computed from the printed ones
+        value = row_of(printed.values, row.slot, row.t)
+        off = np.abs(row.values - value) > 2 * row.half + 1e-9
+        refs.append((value, [int(i) for i in np.flatnonzero(off)]))
+    for ref, bad in refs:
+        if len(bad) != 1 or len(row.marks) < 2 or not np.isfinite(ref[bad[0]]):
+            continue
+        i = bad[0]
+        right = digit_slip(row.claimed.texts[i], float(ref[i]))
+        if right is not None:
+            row.diagnosis = "digit-slip"
+            said = words.digit_slip(row.claimed.texts[i], right, i, row.step)
+            return f"{said} {words.correct_line(row.slot, row.t, p)}"
+    if row.step == "weights":
+        scaled_slot = row.slot.replace("weights", "scaled")
+        candidates = [row_of(words.correct, scaled_slot, row.t)]
+        if printed is not None:
+            candidates.insert(0, row_of(printed.values, scaled_slot, row.t))
+        pair = not_softmax(row.values, candidates, setup.allowed()[row.t], row.half)
+        if pair is not None:
+            row.diagnosis = "not-softmax"
+            said = words.not_softmax(row.t, pair, candidates[0], row.values, printed is not None)
+            return f"{said} {words.correct_line(row.slot, row.t, p)}"
+    return None
 
 
 def _mistake_message(
@@ -212,16 +356,19 @@ def _mistake_message(
 ) -> str:
     p = row.decimals
     if candidate is not None:
-        said = words.slip(row.step, row.t, candidate, p)
-        return f"{said} {words.correct_line(row.step, row.t, p)}"
+        said = words.slip(row.slot, row.t, candidate, p)
+        return f"{said} {words.correct_line(row.slot, row.t, p)}"
     parts = [words.arithmetic(row.step, row.claimed.texts, row.correct, row.marks, p)]
     if printed is not None and words.printed_inputs(row.step):
-        value = row_of(printed.values, row.step, row.t)
-        if not np.allclose(value, row.correct, rtol=0, atol=float(np.min(row.half))):
+        value = row_of(printed.values, row.slot, row.t)
+        finite = np.isfinite(value) & np.isfinite(row.correct)
+        if not np.allclose(
+            value[finite], row.correct[finite], rtol=0, atol=float(np.min(row.half, initial=1))
+        ):
             parts.append(words.not_from_printed(row.step, value, p))
     if row.step == "weights":
         parts.append(words.weights_sum(row.values, row.half, p))
-    parts.append(words.correct_line(row.step, row.t, p))
+    parts.append(words.correct_line(row.slot, row.t, p))
     return " ".join(part for part in parts if part)
 
 
@@ -231,14 +378,30 @@ def _source(example: Example) -> str | None:
     return example.source
 
 
-def _finding(row: _Row, tokens: Sequence[str]) -> Finding:
+def _finding(row: _Row, example: Example) -> Finding:
+    tokens = example.tokens if row.step in ("K", "V") else example.queries_named
     return Finding(
         step=row.step,
         token=tokens[row.t],
         position=row.t,
-        claimed=tuple(float(v) for v in row.values),
+        claimed=tuple(
+            float(v if m is None or not m else c)
+            for v, c, m in zip(
+                row.values,
+                row.claimed.values,
+                [None] * len(row.values) if row.masked is None else row.masked,
+                strict=True,
+            )
+        ),
         printed=tuple(row.claimed.texts),
-        expected=tuple(float(v) for v in row.correct),
+        expected=tuple(
+            float(v)
+            for v in (
+                row.correct
+                if row.masked_ok is None
+                else np.where(row.masked_ok, -np.inf, row.correct)
+            )
+        ),
         status=row.status,
         diagnosis=row.diagnosis,
         message=row.message,
@@ -246,4 +409,5 @@ def _finding(row: _Row, tokens: Sequence[str]) -> Finding:
         line=row.claimed.line,
         cause=row.cause,
         decimals=row.decimals,
+        head=row.head,
     )

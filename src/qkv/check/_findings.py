@@ -9,6 +9,7 @@ call them. Every module of the check imports this one; it imports only :mod:`qkv
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -26,14 +27,30 @@ numbers from an earlier step. ``note``: off only beyond the printed precision (`
 
 DIAGNOSES = {
     "unscaled": "softmax of Q·Kᵀ without dividing by √d_k",
+    "scaled-by-dmodel": "each head's scores are divided by √d_model instead of √d_head "
+    "(d_head = d_model / num_heads)",
     "scaled-by-dk": "divided by d_k instead of √d_k",
     "transposed-weights": "X·Wᵀ instead of X·W (the column-vector convention mixed up)",
     "softmax-wrong-axis": "softmax normalised over the queries (columns) instead of over the "
     "keys (rows)",
     "query-key-swapped": "K·Qᵀ instead of Q·Kᵀ: a score row holds another query's scores",
+    "sum-normalised": "the scores are divided by their row sum instead of going through "
+    "softmax (exponentiate, then divide by the sum of the exponentials)",
+    "mask-ignored": "the mask (or the causal rule) is not applied: a masked key must get "
+    "weight 0 (set its score to −inf before the softmax)",
+    "mask-inverted": "the mask is applied the wrong way round: each query attends exactly the "
+    "keys it must not",
+    "causal-misaligned": "the causal rule is aligned at the wrong corner when Lq ≠ Lk",
     "context-not-summed": 'the "context vectors" are the products w_j·v_j of one query, not '
     "their sum",
+    "other-weights": "the context is computed from weights other than the printed ones "
+    "(rounded, or assumed)",
+    "heads-averaged": "the heads' attention is averaged instead of each head's context being "
+    "computed on its own slice of V and the heads concatenated before W_o",
     "wrong-query": "the row was computed with another token's query",
+    "not-softmax": "weights that no softmax of these scores gives: a larger score gets a "
+    "smaller weight",
+    "digit-slip": "one digit wrong, or two neighbouring digits swapped; the rest is right",
     "arithmetic": "one or a few numbers wrong, with no pattern above",
     "rounding": "differs only beyond the printed precision (a note, not an error)",
 }
@@ -59,6 +76,7 @@ class Finding:
         line: the line of the row in the file, when known.
         cause: for a consequential row, the (step, position) of the mistake it follows from.
         decimals: how many decimals to show the numbers of this row with.
+        head: the head (0-based) of a per-head row (``claimed.per_head``), else None.
     """
 
     step: str
@@ -74,6 +92,7 @@ class Finding:
     line: int | None = None
     cause: tuple[str, int] | None = None
     decimals: int = 4
+    head: int | None = None
 
     @property
     def wrong(self) -> bool:
@@ -82,16 +101,22 @@ class Finding:
 
     def to_dict(self) -> dict[str, Any]:
         """The finding in the JSON schema: step, token, claimed, expected, status, diagnosis,
-        message. ``expected`` is rounded to 6 decimals."""
-        return {
+        message (and ``head``, 1 for the first head, for a per-head row). ``expected`` is
+        rounded to 6 decimals; a masked score (−inf) is ``null``."""
+        found: dict[str, Any] = {
             "step": self.step,
             "token": self.token,
-            "claimed": [float(x) for x in self.claimed],
-            "expected": [round(float(x), 6) + 0.0 for x in self.expected],
+            "claimed": [float(x) if math.isfinite(x) else None for x in self.claimed],
+            "expected": [
+                round(float(x), 6) + 0.0 if math.isfinite(x) else None for x in self.expected
+            ],
             "status": self.status,
             "diagnosis": self.diagnosis,
             "message": self.message,
         }
+        if self.head is not None:
+            found["head"] = self.head + 1
+        return found
 
 
 @dataclass(frozen=True)
@@ -103,13 +128,16 @@ class ReportData:
         source: where it came from (``"built-in i-love-statistics"`` or the file path).
         tokens: the example's tokens.
         findings: one per claimed row: the steps in the order Q, K, V, scores, scaled,
-            weights, context, output, and the tokens in their order within a step.
+            exp, exp_sum, weights, products, context, output, and the tokens in their order
+            within a step.
+        query_tokens: the names of the queries when they are not ``tokens`` (Lq ≠ Lk).
     """
 
     name: str
     source: str | None
     tokens: tuple[str, ...]
     findings: tuple[Finding, ...]
+    query_tokens: tuple[str, ...] | None = None
 
     @property
     def ok(self) -> bool:
@@ -143,6 +171,9 @@ class ReportData:
             name=visible(self.name),
             source=None if self.source is None else visible(self.source),
             tokens=tuple(visible(t) for t in self.tokens),
+            query_tokens=None
+            if self.query_tokens is None
+            else tuple(visible(t) for t in self.query_tokens),
             findings=findings,
         )
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from qkv.check._findings import Finding, ReportData
-from qkv.steps import WORDS
+from qkv.check._steps import words_of
 
 __all__ = ["SYMBOLS", "columns", "heading", "status_line", "summary"]
 
@@ -14,9 +14,10 @@ MARKS = {"ok": "", "rounding": "~", "wrong": "✗"}
 _MAX_LABEL = 12
 
 
-def heading(step: str) -> str:
-    """``Q · Query vectors``."""
-    return f"{step} · {WORDS[step].title}"
+def heading(step: str, head: int | None = None) -> str:
+    """``Q · Query vectors``; ``weights · Attention weights, head 2`` for a head's rows."""
+    where = "" if head is None else f", head {head + 1}"
+    return f"{step} · {words_of(step).title}{where}"
 
 
 def token_label(finding: Finding, report: ReportData) -> str:
@@ -32,8 +33,17 @@ def _short(label: str) -> str:
 
 def columns(finding: Finding, report: ReportData) -> list[str]:
     """Column labels: the keys (tokens) of a score row, else d1, d2, ..."""
-    if finding.step in ("scores", "scaled", "weights"):
+    if finding.step in ("scores", "scaled", "exp", "weights"):
         return [_short(token) for token in report.tokens]
+    if finding.step == "exp_sum":
+        return ["sum"]
+    if finding.step == "products":
+        width = len(finding.claimed) // max(len(report.tokens), 1)
+        return [
+            _short(f"{token}.d{i + 1}") if width > 1 else _short(token)
+            for token in report.tokens
+            for i in range(width)
+        ]
     return [f"d{i + 1}" for i in range(len(finding.claimed))]
 
 
@@ -46,7 +56,10 @@ def status_line(finding: Finding, report: ReportData) -> str:
         parts.append(f"note: {finding.diagnosis}")
     elif finding.status == "consequential" and finding.cause is not None:
         step, position = finding.cause
-        parts.append(f"consequential, follows from {step} of {report.tokens[position]}")
+        names = report.tokens
+        if report.query_tokens is not None and step not in ("K", "V"):
+            names = report.query_tokens
+        parts.append(f"consequential, follows from {step} of {names[position]}")
     else:
         parts.append(finding.status)
     if finding.line is not None:
@@ -90,6 +103,6 @@ def summary(report: ReportData) -> list[str]:
     first = report.first_wrong
     if first is not None:
         where = f" (line {first.line})" if first.line is not None else ""
-        noun = WORDS[first.step].noun(1)
+        noun = words_of(first.step).noun(1)
         lines.append(f'First wrong step: {first.step}, the {noun} of "{first.token}"{where}.')
     return lines

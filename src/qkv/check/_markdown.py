@@ -26,12 +26,13 @@ def markdown(report: ReportData) -> str:
         out += [f"Source: {markdown_escape(report.source)}", ""]
     out += [" ".join(markdown_escape(s) for s in summary(report)), ""]
     first = report.first_wrong
-    step = None
+    group: tuple[str, int | None] | None = None
     for finding in report.findings:
-        if finding.step != step:
-            step = finding.step
-            mark = " (first wrong step)" if first is not None and first.step == step else ""
-            out += [f"## {markdown_escape(heading(step))}{mark}", ""]
+        if (finding.step, finding.head) != group:
+            group = finding.step, finding.head
+            first_here = first is not None and (first.step, first.head) == group
+            mark = " (first wrong step)" if first_here else ""
+            out += [f"## {markdown_escape(heading(*group))}{mark}", ""]
         out += _finding(finding, report)
     return "\n".join(out).rstrip("\n") + "\n"
 

@@ -3,8 +3,10 @@
 A probe is a set of inputs chosen so that each common slip gives different numbers: d_k = 16,
 so that dividing by √d_k, by d_k or not at all differ by factors of 4; values of width 3 ≠ d_k;
 Lq ≠ Lk, so that a softmax over the wrong axis or a misaligned causal rule shows; a masked key
-in every row; scores shifted by a large constant (softmax does not change, a softmax without
-max-subtraction overflows); and a fully masked row.
+in every row; a probe whose scores have a known order, with V = I so that the context rows are
+the weights (a normalisation that is no softmax shows); scores shifted by a large constant
+(softmax does not change, a softmax without max-subtraction overflows); a fully masked row;
+and, when asked, batched inputs with leading (B, H) = (2, 3) axes.
 
 :data:`SLIPS` lists, per kind of function, each slip as a small function that computes what a
 function making that slip returns on a probe: ``None`` is the correct attention. Nothing here
@@ -20,7 +22,16 @@ from typing import Literal
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["KINDS", "MASK_MEANINGS", "SLIPS", "Probe", "causal_allow", "probes"]
+__all__ = [
+    "KINDS",
+    "MASK_MEANINGS",
+    "ORDER_SCORES",
+    "SLIPS",
+    "Probe",
+    "causal_allow",
+    "per_slice",
+    "probes",
+]
 
 Array = NDArray[np.float64]
 Kind = Literal["attention", "causal", "multi-head"]
@@ -31,6 +42,11 @@ MASK_MEANINGS: tuple[str, ...] = ("allow", "ignore", "additive")
 True = must not attend (``ignore``), or a float added to the scores, 0 or −inf (``additive``)."""
 
 _LARGE = 110.0  # Q and K share a column of this value: every score grows by 110²/4 ≈ 3000
+_ORDER_Q = np.array([4.0, 8.0, -4.0, 2.0])
+_ORDER_K = np.array([3.0, 2.0, 1.0, 0.0, -1.5])
+ORDER_SCORES = np.outer(_ORDER_Q, _ORDER_K) / 4.0
+"""The scaled scores Q·Kᵀ/√16 of the probe "known score order": rows [3, 2, 1, 0, −1.5],
+twice that, its negative and half of it. With V = I, the context rows are the weights."""
 
 
 @dataclass(frozen=True)
@@ -39,8 +55,8 @@ class Probe:
 
     Attributes:
         name: a short name, shown in findings (``"Lq≠Lk, masked keys"``).
-        role: ``"main"`` (tells the slips apart), ``"large"`` (large scores) or
-            ``"masked-row"`` (a fully masked row).
+        role: ``"main"`` (tells the slips apart), ``"large"`` (large scores),
+            ``"masked-row"`` (a fully masked row) or ``"batched"`` (leading (B, H) axes).
         arrays: the inputs in the function's order: Q, K, V (attention, causal) or X, W_q,
             W_k, W_v, W_o (multi-head).
         allow: for kind attention, the mask (True = may attend), or None.
@@ -61,9 +77,38 @@ def causal_allow(lq: int, lk: int, alignment: str) -> NDArray[np.bool_]:
     return np.arange(lk)[None, :] <= np.arange(lq)[:, None] + shift
 
 
-def probes(kind: str, *, with_mask: bool) -> tuple[Probe, ...]:
+def probes(kind: str, *, with_mask: bool, batched: bool = False) -> tuple[Probe, ...]:
     """The probes of one kind of function; ``with_mask`` when it takes a mask (kind
-    attention). Always the same numbers (a fixed seed)."""
+    attention); ``batched`` adds a probe with leading (B, H) = (2, 3) axes (kinds attention
+    and causal). Always the same numbers (a fixed seed)."""
+    found = _probes(kind, with_mask=with_mask)
+    if not batched or kind == "multi-head":
+        return found
+    rng = np.random.default_rng(20261124)
+    lq, lk = (5, 5) if kind == "causal" else (4, 6)
+    q, k = rng.normal(size=(2, 3, lq, 16)), rng.normal(size=(2, 3, lk, 16))
+    v = rng.normal(size=(2, 3, lk, 3))
+    allow = None
+    if with_mask:
+        allow = np.ones((lq, lk), dtype=bool)
+        allow[0, 1] = allow[2, [0, 5]] = False
+    return (*found, Probe("batched (B, H) = (2, 3)", "batched", (q, k, v), allow))
+
+
+def per_slice(slip: Callable[[Probe], tuple[Array, Array]], probe: Probe) -> tuple[Array, Array]:
+    """A slip on a batched probe: computed on each (L, d) slice of the leading axes."""
+    lead = probe.arrays[0].shape[:-2]
+    contexts, weights = np.empty(lead, dtype=object), np.empty(lead, dtype=object)
+    for idx in np.ndindex(lead):
+        one = Probe(probe.name, "main", tuple(a[idx] for a in probe.arrays), probe.allow)
+        contexts[idx], weights[idx] = slip(one)
+    return (
+        np.array(contexts.tolist(), dtype=np.float64),
+        np.array(weights.tolist(), dtype=np.float64),
+    )
+
+
+def _probes(kind: str, *, with_mask: bool) -> tuple[Probe, ...]:
     rng = np.random.default_rng(20261123)
     if kind == "multi-head":
         w = [rng.normal(0.0, 0.25, (16, 16)) for _ in range(4)]
@@ -79,6 +124,9 @@ def probes(kind: str, *, with_mask: bool) -> tuple[Probe, ...]:
     big_q, big_k = q3.copy(), k6.copy()
     big_q[:, 0] = _LARGE
     big_k[:, 0] = _LARGE
+    order_q, order_k = np.zeros((4, 16)), np.zeros((5, 16))
+    order_q[:, 0], order_k[:, 0] = _ORDER_Q, _ORDER_K
+    order = (order_q, order_k, np.eye(5))
     if kind == "causal":
         big5q, big5k = q5.copy(), k5.copy()
         big5q[:, 0] = _LARGE
@@ -86,12 +134,14 @@ def probes(kind: str, *, with_mask: bool) -> tuple[Probe, ...]:
         return (
             Probe("5 tokens", "main", (q5, k5, v5)),
             Probe("Lq=3, Lk=6", "main", (q3, k6, v6)),
+            Probe("known score order", "main", order),
             Probe("large scores", "large", (big5q, big5k, v5)),
         )
     if not with_mask:
         return (
             Probe("Lq=Lk=5", "main", (q5, k5, v5)),
             Probe("Lq=3, Lk=6", "main", (q3, k6, v6)),
+            Probe("known score order", "main", order),
             Probe("large scores", "large", (big_q, big_k, v6)),
         )
     allow = np.ones((3, 6), dtype=bool)
@@ -103,6 +153,7 @@ def probes(kind: str, *, with_mask: bool) -> tuple[Probe, ...]:
     return (
         Probe("Lq=Lk=5, nothing masked", "main", (q5, k5, v5), np.ones((5, 5), dtype=bool)),
         Probe("Lq=3, Lk=6, masked keys", "main", (q3, k6, v6), allow),
+        Probe("known score order", "main", order, np.ones((4, 5), dtype=bool)),
         Probe("large scores", "large", (big_q, big_k, v6), allow),
         Probe("a fully masked row", "masked-row", (q3, k6, v6), empty_row),
     )
@@ -146,7 +197,8 @@ def _attend(
         w = _softmax(s, -1)
     if w.shape[-1] != v.shape[0]:
         raise ValueError(f"weights {w.shape} vs values {v.shape}")
-    return w @ v, w
+    with np.errstate(invalid="ignore", over="ignore"):
+        return w @ v, w
 
 
 Slip = Callable[[Probe], tuple[Array, Array]]

@@ -87,13 +87,14 @@ def _lines(report: ReportData, width: int) -> Iterator[Text]:
     for sentence in summary(report):
         yield from _wrap(sentence, width, indent="")
     first = report.first_wrong
-    step = None
+    group: tuple[str, int | None] | None = None
     for k, finding in enumerate(report.findings):
-        if finding.step != step:
-            step = finding.step
+        if (finding.step, finding.head) != group:
+            group = finding.step, finding.head
             yield Text("")
-            mark = "✗ first wrong step" if first is not None and first.step == step else ""
-            yield from _rule(heading(step), width, mark)
+            first_here = first is not None and (first.step, first.head) == group
+            mark = "✗ first wrong step" if first_here else ""
+            yield from _rule(heading(*group), width, mark)
         elif finding.status != "ok" or report.findings[k - 1].status != "ok":
             yield Text("")  # a blank line around each detailed finding
         yield from _finding(finding, report, width)

@@ -10,8 +10,15 @@ import numpy as np
 
 from qkv._format import number
 from qkv.check._pipeline import (
+    HEADS_AVERAGED,
+    MASK_IGNORED,
+    MASK_INVERTED,
+    MISALIGNED,
     NOT_SUMMED,
+    OTHER_WEIGHTS,
     SCALED_BY_DK,
+    SCALED_BY_DMODEL,
+    SUM_NORMALISED,
     SWAPPED,
     TRANSPOSED,
     UNSCALED,
@@ -21,17 +28,23 @@ from qkv.check._pipeline import (
     Setup,
     Values,
     row_of,
+    slot_head,
+    step_of,
 )
+from qkv.check._steps import words_of as _words_of
+from qkv.check._words2 import Format2Words
 from qkv.examples._model import decimals_of
-from qkv.steps import WORDS
 
 __all__ = ["Words"]
 
 _INPUTS = {
     "scores": ("Q", "K"),
     "scaled": ("scores",),
-    "weights": ("scaled",),
-    "context": ("weights", "V"),
+    "exp": ("scaled",),
+    "exp_sum": ("exp",),
+    "weights": ("exp",),
+    "products": ("weights", "V"),
+    "context": ("products",),
     "output": ("context",),
 }
 _PLAIN_NAME = re.compile(r"[^\W\d][\w'-]{0,19}")
@@ -46,7 +59,7 @@ def vector(values: Sequence[float] | np.ndarray, decimals: int) -> str:
 def _subject(step: str) -> str:
     """How a sentence about one row of ``step`` starts: ``This query vector comes``,
     ``These weights come``."""
-    words = WORDS[step]
+    words = _words_of(step)
     if words.countable:
         return f"This {words.singular} comes"
     return f"These {words.short or words.plural} come"
@@ -66,7 +79,7 @@ def _and(items: Sequence[str]) -> str:
     return ", ".join(items[:-1]) + " and " + items[-1]
 
 
-class Words:
+class Words(Format2Words):
     """Sentences about the rows of one example.
 
     Args:
@@ -84,8 +97,10 @@ class Words:
         scale: bool | float,
         correct: Values,
         claimed_steps: Sequence[str],
+        queries: Sequence[str] | None = None,
     ) -> None:
-        self.tokens = tuple(tokens)
+        self.keys = tuple(tokens)
+        self.tokens = self.keys if queries is None else tuple(queries)
         self.setup = setup
         self.scale = scale
         self.correct = correct
@@ -93,17 +108,20 @@ class Words:
 
     # -- names ---------------------------------------------------------------------------
 
-    def label(self, t: int) -> str:
-        """``"love"``, or ``"the" (position 4)`` for a token that appears more than once."""
-        token = self.tokens[t]
-        if self.tokens.count(token) > 1:
+    def label(self, t: int, *, key: bool = False) -> str:
+        """``"love"``, or ``"the" (position 4)`` for a token that appears more than once;
+        ``key``: a key's name (they differ from the queries' when Lq ≠ Lk)."""
+        names = self.keys if key else self.tokens
+        token = names[t]
+        if names.count(token) > 1:
             return f'"{token}" (position {t})'
         return f'"{token}"'
 
-    def sub(self, t: int) -> str:
+    def sub(self, t: int, *, key: bool = False) -> str:
         """The subscript of a token in a formula: ``love`` in q_love, or its position."""
-        token = self.tokens[t]
-        if self.tokens.count(token) == 1 and _PLAIN_NAME.fullmatch(token):
+        names = self.keys if key else self.tokens
+        token = names[t]
+        if names.count(token) == 1 and _PLAIN_NAME.fullmatch(token):
             return token
         return str(t)
 
@@ -119,7 +137,7 @@ class Words:
 
     def from_printed(self, step: str) -> str:
         """``"the printed attention weights and value vectors"``."""
-        nouns = [WORDS[s].noun(2) for s in self.printed_inputs(step)]
+        nouns = [_words_of(s).noun(2) for s in self.printed_inputs(step)]
         if len(nouns) > 1 and all(n.endswith(" vectors") for n in nouns):
             return "the printed " + _and([n.removesuffix(" vectors") for n in nouns]) + " vectors"
         return "the printed " + _and(nouns)
@@ -144,20 +162,28 @@ class Words:
     # -- what a row should be ------------------------------------------------------------
 
     def correct_line(self, step: str, t: int, decimals: int) -> str:
-        """What the row is, computed correctly, with its numbers."""
-        who, s = self.label(t), self.sub(t)
-        row = vector(row_of(self.correct, step, t), decimals)
+        """What the row is, computed correctly, with its numbers (``step``: a step or a slot,
+        ``weights@1`` for head 2)."""
+        slot, step, head = step, step_of(step), slot_head(step)
+        key = step in ("K", "V")
+        who, s = self.label(t, key=key), self.sub(t, key=key)
+        row = vector(row_of(self.correct, slot, t), decimals)
+        in_head = "" if head is None else f" in head {head + 1}"
         if step in ("Q", "K", "V"):
             letter = step.lower()
-            noun = WORDS[step].noun(1)
+            noun = _words_of(step).noun(1)
+            if step in self.setup.given:
+                return f"The {noun} of {who}{in_head} is as given: {row}."
             return (
-                f"The {noun} of {who} is its embedding times W_{letter}: "
+                f"The {noun} of {who}{in_head} is its embedding times W_{letter}: "
                 f"{letter}_{s} = x_{s}·W_{letter} = {row}."
             )
         if step == "scores":
+            if "scores" in self.setup.given:
+                return f"The attention scores of {who} are as given: {row}{self._before_mask()}."
             return (
-                f"The attention scores of {who} are the dot products of its query vector with "
-                f"every key vector, q_{s}·k_j: {row}."
+                f"The attention scores of {who}{in_head} are the dot products of its query "
+                f"vector with every key vector, q_{s}·k_j: {row}{self._before_mask()}."
             )
         if step == "scaled":
             if self.scale is True:
@@ -166,20 +192,49 @@ class Words:
                 how = "unchanged (this example does not scale the scores)"
             else:
                 how = f"multiplied by the scale {self.scale:g}"
-            return f"The scaled scores of {who} are its scores {how}: {row}."
-        if step == "weights":
-            masked = " (keys after it get weight 0)" if self.setup.causal else ""
             return (
-                f"The attention weights of {who} are the softmax of its scaled scores along "
-                f"the row (over the keys){masked}, so they sum to 1: {row}."
+                f"The scaled scores of {who}{in_head} are its scores {how}: "
+                f"{row}{self._before_mask()}."
+            )
+        if step == "exp":
+            return (
+                f"The exponentials of {who}{in_head} are e^s for each scaled score s (0 for a "
+                f"masked key): {row}."
+            )
+        if step == "exp_sum":
+            return f"The sum of the exponentials of {who}{in_head} is {row[1:-1]}."
+        if step == "weights":
+            over = "(over the keys)"
+            if self.setup.policy == 1 and self.setup.causal:
+                over += " (keys after it get weight 0)"
+            elif self.setup.masked:
+                over = "(over the keys; a masked key gets weight 0)"
+            return (
+                f"The attention weights of {who}{in_head} are the softmax of its scaled "
+                f"scores along the row {over}, so they sum to 1: {row}."
+            )
+        if step == "products":
+            return (
+                f"The terms w_j·v_j of {who}{in_head}, each value vector times its weight, "
+                f"key after key: {row}."
             )
         if step == "context":
+            if head is not None:
+                return (
+                    f"The context vector of {who} in head {head + 1} is the weighted sum of "
+                    f"that head's value vectors: {row}."
+                )
             return f"The context vector of {who} is {self._weighted_sum(t, decimals)}."
         if self.setup.W_o is None:
             return f"The output of {who} is its context vector (this example has no W_o): {row}."
         return (
             f"The output of {who} is its context vector (all heads side by side) times W_o: {row}."
         )
+
+    def _before_mask(self) -> str:
+        if self.setup.policy == 2 and self.setup.masked:
+            return " (before the mask; a masked key's score may be printed as −∞)"
+        return ""
 
     def _weighted_sum(self, t: int, decimals: int) -> str:
         row = vector(row_of(self.correct, "context", t), decimals)
@@ -189,7 +244,9 @@ class Words:
                 f"side: {row}"
             )
         weights = self.correct["weights"][0, t]
-        terms = [f"{number(float(w), 4)}·v_{self.sub(j)}" for j, w in enumerate(weights) if w]
+        terms = [
+            f"{number(float(w), 4)}·v_{self.sub(j, key=True)}" for j, w in enumerate(weights) if w
+        ]
         if len(terms) > _MAX_TERMS:
             return f"the weighted sum of the value vectors, Σ_j w_j·v_j = {row}"
         return (
@@ -200,7 +257,10 @@ class Words:
 
     def slip(self, step: str, t: int, candidate: Candidate, decimals: int) -> str:
         """What the slip was, in plain words (the message starts with this)."""
+        step = step_of(step)
         printed = candidate.start == "claimed" and bool(self.printed_inputs(step))
+        if candidate.slip.code == OTHER_WEIGHTS:
+            return self.other_weights(t, candidate, printed)
         if candidate.slip.code == NOT_SUMMED:
             return self._not_summed(t, candidate, decimals, printed)
         source = f" (from {self.from_printed(step)})" if printed else ""
@@ -222,6 +282,24 @@ class Words:
             )
         if slip.code == SWAPPED:
             return f"K·Qᵀ instead of Q·Kᵀ: scores of every query with the key of {self.label(t)}"
+        if slip.code == SCALED_BY_DMODEL:
+            d = self.setup.d_model
+            return (
+                f"scores divided by √d_model = √{d} instead of √d_head = √{self.setup.d_k} "
+                "(d_head = d_model / heads)"
+            )
+        if slip.code == SUM_NORMALISED:
+            return (
+                "scores divided by their row sum instead of going through softmax "
+                "(exponentiate, then divide by the sum of the exponentials)"
+            )
+        if slip.code in (MASK_IGNORED, MASK_INVERTED, MISALIGNED):
+            return self.mask_rule(slip.code)
+        if slip.code == HEADS_AVERAGED:
+            return (
+                "the heads' weights averaged and applied to all of V, instead of each head's "
+                "context computed on its own slice of V and the heads put side by side"
+            )
         return (
             f"the query vector of {self.label(slip.query)} used instead of that of {self.label(t)}"
         )
@@ -348,7 +426,7 @@ class Words:
             by_step.setdefault(cause_step, []).append(row)
         parts = []
         for cause_step, rows in by_step.items():
-            noun = WORDS[cause_step].noun(len(rows))
+            noun = _words_of(cause_step).noun(len(rows))
             parts.append(f"the wrong {noun} of {_and([self.label(r) for r in rows])}")
         return (
             f"Follows from {_and(parts)}: this step, done right on {self.from_printed(step)}, "

@@ -80,6 +80,12 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         "PyTorch's is_causal) or bottom-right (default: top-left)",
     )
     group.add_argument(
+        "--batched",
+        action="store_true",
+        help="also require batched (B, H, L, d) inputs to work (attention, causal); without "
+        "it the probes are (L, d)",
+    )
+    group.add_argument(
         "--timeout",
         type=float,
         default=20.0,
@@ -106,6 +112,7 @@ def _run_function(args: argparse.Namespace) -> int:
         array=args.array,
         alignment=args.causal_alignment,
         timeout=args.timeout,
+        batched=args.batched,
     )
     emit(args, lambda width: report.render(args.format, width=width), report.print)
     return 0 if report.ok else 1
@@ -139,13 +146,16 @@ COMMAND = Command(
     name="check",
     summary="check the numbers of a hand-worked example and name the mistake",
     description=(
-        "Compare every number a worked example claims (Q, K, V, scores, scaled, weights,\n"
-        "context, output) with the correct one, in the order of computation. Each number\n"
-        "is judged to its printed precision, widened by the rounding carried from the\n"
-        "steps before. A wrong step is named: the common slip that reproduces it\n"
-        "(unscaled, scaled-by-dk, transposed-weights, softmax-wrong-axis,\n"
-        "query-key-swapped, context-not-summed, wrong-query) or an arithmetic mistake; a\n"
-        "step done right on wrong numbers is 'consequential'.\n\n"
+        "Compare every number a worked example claims (Q, K, V, scores, scaled, exp,\n"
+        "exp_sum, weights, products, context, output) with the correct one, in the order\n"
+        "of computation. Each number is judged to its printed precision, widened by the\n"
+        "rounding carried from the steps before (format 2: exact numbers carry none, and\n"
+        "inputs declared rounded widen it). A wrong step is named: the common slip that\n"
+        "reproduces it (unscaled, scaled-by-dk, transposed-weights, softmax-wrong-axis,\n"
+        "query-key-swapped, context-not-summed, wrong-query; format 2 adds\n"
+        "scaled-by-dmodel, sum-normalised, mask-ignored, mask-inverted,\n"
+        "causal-misaligned, other-weights, heads-averaged, not-softmax, digit-slip) or an\n"
+        "arithmetic mistake; a step done right on wrong numbers is 'consequential'.\n\n"
         "Exit status: 0 all match, 1 something does not, 2 the file cannot be used.\n"
         "See docs/check.md.\n\n"
         "With --function FILE.py:NAME it checks an attention function instead and names\n"

@@ -1,4 +1,7 @@
-"""The worked-example format, version 1: read, check every field and shape, build an Example.
+"""The worked-example format: read, check every field and shape, build an Example.
+
+Version 1 is read here; a file with ``format: 2`` is built by ``_example2`` (direct inputs,
+masks, intermediate steps, per-head claims, inputs printed rounded).
 
 The format (``docs/example-format.md``)::
 
@@ -19,14 +22,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
 import yaml
 
+from qkv.examples._example2 import V2_KEYS, build_v2
 from qkv.examples._model import Claimed, Example
 from qkv.examples._nodes import NodeReader, describe, join, line_of, shorten
+from qkv.examples._shapes import heads_of, options_of, weights_of
 from qkv.examples._text import Kind, compose, kind_of, read_text
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 TOP_KEYS = (
     "format",
     "name",
@@ -38,8 +42,6 @@ TOP_KEYS = (
     "options",
     "claimed",
 )
-WEIGHT_KEYS = ("W_q", "W_k", "W_v", "W_o")
-OPTION_KEYS = ("scale", "causal", "queries")
 CLAIMABLE = ("Q", "K", "V", "scores", "scaled", "weights", "context", "output")
 """The steps whose rows an example may claim, in the order of computation."""
 
@@ -64,14 +66,6 @@ _TOP_ALIASES = {
     "title": "name",
     "version": "format",
 }
-_WEIGHT_ALIASES = {k.lower().replace("_", ""): k for k in WEIGHT_KEYS} | {
-    "W_Q": "W_q",
-    "W_K": "W_k",
-    "W_V": "W_v",
-    "W_O": "W_o",
-    "W_0": "W_o",
-}
-_OPTION_ALIASES = {"heads": "heads (a top-level key)", "mask": "causal", "query": "queries"}
 _CLAIM_ALIASES = {
     "q": "Q",
     "k": "K",
@@ -147,33 +141,30 @@ def _from_node(root: yaml.Node, source: str, slug: str | None) -> Example:
     top = r.mapping(
         root,
         "",
-        allowed=TOP_KEYS,
+        allowed=(*TOP_KEYS, *V2_KEYS),
         aliases=_TOP_ALIASES,
         extras=True,
         what="a mapping of keys (tokens:, embeddings:, weights:, ...)",
     )
+    version = _version(r, top)
+    if version == 2:
+        common = {
+            "name": _name(r, top, source),
+            "description": _description(r, top),
+            "extras": {k: r.plain(v, k) for k, (_, v) in top.items() if k[:2] == "x-"},
+        }
+        return build_v2(r, root, top, source, slug, common)
+    for key in V2_KEYS:
+        if key in top:
+            raise r.error(
+                top[key][0], key, f"{key} is a key of format 2", "write 'format: 2' at the top"
+            )
     for key in _REQUIRED:
         if key not in top:
             raise r.error(root, key, "missing", f"add the key '{key}:'{_WHERE}")
 
-    if "format" in top:
-        node = top["format"][1]
-        if not (node.tag == "tag:yaml.org,2002:int" and str(node.value) == "1"):
-            raise r.error(
-                node,
-                "format",
-                "unsupported format "
-                + (
-                    repr(shorten(str(node.value)))
-                    if isinstance(node, yaml.ScalarNode)
-                    else describe(node)
-                ),
-                f"this qkv reads format {FORMAT_VERSION}; write 'format: 1' or leave it out",
-            )
     name = _name(r, top, source)
-    description = ""
-    if "description" in top and top["description"][1].tag != "tag:yaml.org,2002:null":
-        description = r.text(top["description"][1], "description").strip()
+    description = _description(r, top)
 
     tokens = _tokens(r, top["tokens"][1])
     embeddings = r.matrix(top["embeddings"][1], "embeddings", what="one row per token")
@@ -184,15 +175,15 @@ def _from_node(root: yaml.Node, source: str, slug: str | None) -> Example:
             f"expected {len(tokens)} rows (one per token), got {embeddings.shape[0]}",
             f"tokens has {len(tokens)} entries: {', '.join(tokens)}",
         )
-    W_q, W_k, W_v, W_o = _weights(r, *top["weights"], embeddings.shape[1])
+    W_q, W_k, W_v, W_o = weights_of(r, *top["weights"], embeddings.shape[1])
     heads = 1
     if "heads" in top:
-        heads = _heads(r, top["heads"][1], W_q.shape[1], W_v.shape[1])
+        heads = heads_of(r, top["heads"][1], W_q.shape[1], W_v.shape[1])
     scale: bool | float = True
     causal = False
     queries: tuple[int, ...] | None = None
     if "options" in top:
-        scale, causal, queries = _options(r, top["options"][1], tokens)
+        scale, causal, queries = options_of(r, top["options"][1], tokens)
     d_out = W_v.shape[1] if W_o is None else W_o.shape[1]
     claimed: dict[str, dict[int, Claimed]] = {}
     if "claimed" in top:
@@ -225,6 +216,27 @@ def _from_node(root: yaml.Node, source: str, slug: str | None) -> Example:
         source=source,
         extras=extras,
     )
+
+
+def _version(r: NodeReader, top: dict[str, tuple[yaml.Node, yaml.Node]]) -> int:
+    if "format" not in top:
+        return 1
+    node = top["format"][1]
+    if node.tag == "tag:yaml.org,2002:int" and str(node.value) in ("1", "2"):
+        return int(str(node.value))
+    raise r.error(
+        node,
+        "format",
+        "unsupported format "
+        + (repr(shorten(str(node.value))) if isinstance(node, yaml.ScalarNode) else describe(node)),
+        f"this qkv reads formats 1 and {FORMAT_VERSION}; write 'format: 2' or leave it out",
+    )
+
+
+def _description(r: NodeReader, top: dict[str, tuple[yaml.Node, yaml.Node]]) -> str:
+    if "description" in top and top["description"][1].tag != "tag:yaml.org,2002:null":
+        return r.text(top["description"][1], "description").strip()
+    return ""
 
 
 def _name(r: NodeReader, top: dict[str, tuple[yaml.Node, yaml.Node]], source: str) -> str:
@@ -267,143 +279,6 @@ def _tokens(r: NodeReader, node: yaml.Node) -> tuple[str, ...]:
             )
         tokens.append(token)
     return tuple(tokens)
-
-
-def _weights(
-    r: NodeReader, key_node: yaml.Node, node: yaml.Node, d_model: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    pairs = r.mapping(
-        node,
-        "weights",
-        allowed=WEIGHT_KEYS,
-        aliases=_WEIGHT_ALIASES,
-        what="a mapping with W_q, W_k, W_v (and W_o)",
-    )
-    for key in ("W_q", "W_k", "W_v"):
-        if key not in pairs:
-            raise r.error(
-                key_node,
-                f"weights.{key}",
-                "missing",
-                "an example needs the three projections W_q, W_k and W_v",
-            )
-    matrices: dict[str, np.ndarray] = {}
-    for key in WEIGHT_KEYS:
-        if key not in pairs:
-            continue
-        key_node, value_node = pairs[key]
-        field = f"weights.{key}"
-        matrix = r.matrix(value_node, field, what=f"the {key} matrix")
-        if key == "W_o":
-            d_v = matrices["W_v"].shape[1]
-            _check_rows(r, key_node, field, matrix, d_v, f"d_v = {d_v}, the columns of W_v")
-        else:
-            _check_rows(
-                r,
-                key_node,
-                field,
-                matrix,
-                d_model,
-                f"d_model = {d_model}, one per embedding column",
-            )
-        matrices[key] = matrix
-    d_q, d_k = matrices["W_q"].shape[1], matrices["W_k"].shape[1]
-    if d_k != d_q:
-        raise r.error(
-            pairs["W_k"][0],
-            "weights.W_k",
-            f"expected {d_q} columns, like W_q (d_k = {d_q}), got {d_k}",
-            "the scores Q·Kᵀ pair each query with each key, so both have d_k numbers",
-        )
-    return matrices["W_q"], matrices["W_k"], matrices["W_v"], matrices.get("W_o")
-
-
-def _check_rows(
-    r: NodeReader, node: yaml.Node, field: str, matrix: np.ndarray, rows: int, why: str
-) -> None:
-    if matrix.shape[0] == rows:
-        return
-    name = field.split(".")[-1]
-    if name == "W_o":
-        hint = "the context vectors of all heads, side by side, are multiplied by W_o"
-    else:
-        hint = f"{name[-1].upper()} = X·{name} multiplies each embedding row by {name}, so it has "
-        hint += "one row per embedding column"
-    if matrix.shape[1] == rows:
-        hint += (
-            f"; if this is the column-vector form ({name}·x, {matrix.shape[0]} × {rows}), "
-            "write its transpose"
-        )
-    raise r.error(node, field, f"expected {rows} rows ({why}), got {matrix.shape[0]}", hint)
-
-
-def _heads(r: NodeReader, node: yaml.Node, d_k: int, d_v: int) -> int:
-    heads = r.integer(node, "heads", minimum=1)
-    valid = [h for h in range(1, d_k + 1) if d_k % h == 0 and d_v % h == 0]
-    for size, what in (
-        (d_k, f"d_k = {d_k} (the columns of W_q and W_k)"),
-        (d_v, f"d_v = {d_v} (the columns of W_v)"),
-    ):
-        if size % heads:
-            raise r.error(
-                node,
-                "heads",
-                f"{shorten(str(heads))} heads do not divide {what}",
-                "the columns split evenly into heads; here heads can be "
-                + ", ".join(map(str, valid)),
-            )
-    return heads
-
-
-def _options(
-    r: NodeReader, node: yaml.Node, tokens: tuple[str, ...]
-) -> tuple[bool | float, bool, tuple[int, ...] | None]:
-    pairs = r.mapping(
-        node, "options", allowed=OPTION_KEYS, aliases=_OPTION_ALIASES, what="a mapping of options"
-    )
-    scale: bool | float = True
-    if "scale" in pairs:
-        value_node = pairs["scale"][1]
-        if value_node.tag == "tag:yaml.org,2002:bool":
-            scale = r.boolean(value_node, "options.scale")
-        else:
-            number = r.number(value_node, "options.scale")[0] if r.is_number(value_node) else 0
-            if number <= 0:
-                raise r.error(
-                    value_node,
-                    "options.scale",
-                    f"expected true, false or a positive number, got {describe(value_node)}",
-                    "true divides the scores by √d_k, false leaves them as they are, a number "
-                    "multiplies them",
-                )
-            scale = number
-    causal = r.boolean(pairs["causal"][1], "options.causal") if "causal" in pairs else False
-    queries = _queries(r, pairs["queries"][1], tokens) if "queries" in pairs else None
-    return scale, causal, queries
-
-
-def _queries(r: NodeReader, node: yaml.Node, tokens: tuple[str, ...]) -> tuple[int, ...]:
-    items = node.value if isinstance(node, yaml.SequenceNode) else [node]
-    if not items:
-        raise r.error(
-            node,
-            "options.queries",
-            "expected at least one token",
-            "leave 'queries' out to show every token as a query",
-        )
-    seen: dict[int, yaml.Node] = {}
-    for i, item in enumerate(items):
-        field = join("options.queries", i)
-        index = r.token(item, field, tokens)
-        if index in seen:
-            raise r.error(
-                item,
-                field,
-                f"token {index} ({tokens[index]}) is listed twice",
-                f"it is already listed on line {line_of(seen[index])}",
-            )
-        seen[index] = item
-    return tuple(seen)
 
 
 def _claimed(

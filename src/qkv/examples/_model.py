@@ -75,6 +75,21 @@ class Example:
         slug: the built-in id (``"i-love-statistics"``), or None for a file.
         source: the file path, ``"<string>"`` or ``"<built-in NAME>"`` (not compared by ``==``).
         extras: the ``x-*`` keys of the file, as plain Python values.
+        format: the version of the file format, 1 or 2.
+        inputs: what the example starts from: ``"embeddings"`` (X and the weights),
+            ``"qkv"``, ``"qk"`` or ``"scores"`` (format 2: ``given`` holds them; then
+            ``embeddings`` is (Lk, 0) and ``W_q``, ``W_k``, ``W_v`` have no rows).
+        given: format 2's direct inputs: ``"Q"`` (Lq, H·D), ``"K"`` (Lk, H·D),
+            ``"V"`` (Lk, H·Dv), ``"scores"`` (Lq, Lk).
+        query_tokens: the Lq query names when they are not ``tokens`` (Lq ≠ Lk), or None.
+        alignment: the causal rule when Lq ≠ Lk: ``"top-left"`` or ``"bottom-right"``.
+        key_length: keys from this position on are padding, or None.
+        mask: an explicit (Lq, Lk) boolean mask, True = may attend, or None.
+        d_k: the d_k of ``scale: true`` for an example given by its scores, or None.
+        precision: input name (``"embeddings"``, ``"W_q"``, ``"Q"``, ...) → the decimals
+            it was printed rounded to.
+        head_claimed: per head, claimed rows of that head (step → token → row).
+        assumed: rows a text takes as given (not checked; later steps use them).
 
     Example:
         >>> from qkv.examples import builtin
@@ -101,6 +116,22 @@ class Example:
     slug: str | None = None
     source: str | None = None
     extras: Mapping[str, Any] = field(default_factory=dict)
+    format: int = 1
+    inputs: str = "embeddings"
+    given: Mapping[str, np.ndarray] = field(default_factory=dict)
+    query_tokens: tuple[str, ...] | None = None
+    alignment: str = "top-left"
+    key_length: int | None = None
+    mask: np.ndarray | None = None
+    d_k: int | None = None
+    precision: Mapping[str, int] = field(default_factory=dict)
+    head_claimed: tuple[Mapping[str, Mapping[int, Claimed]], ...] = ()
+    assumed: Mapping[str, Mapping[int, Claimed]] = field(default_factory=dict)
+
+    @property
+    def queries_named(self) -> tuple[str, ...]:
+        """The names of the query rows: ``query_tokens``, or ``tokens``."""
+        return self.tokens if self.query_tokens is None else self.query_tokens
 
     @property
     def d_model(self) -> int:
@@ -115,7 +146,12 @@ class Example:
             if f.name == "source":
                 continue
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            if isinstance(mine, np.ndarray) or isinstance(theirs, np.ndarray):
+            if f.name == "given":
+                if mine.keys() != theirs.keys() or not all(
+                    np.array_equal(mine[k], theirs[k]) for k in mine
+                ):
+                    return False
+            elif isinstance(mine, np.ndarray) or isinstance(theirs, np.ndarray):
                 if mine is None or theirs is None or not np.array_equal(mine, theirs):
                     return False
             elif type(mine) is not type(theirs) or mine != theirs:  # scale: True is not 1.0

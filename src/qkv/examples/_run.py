@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from qkv.attention import multi_head_attention
 from qkv.examples._model import Example
 from qkv.examples._tokens import TokenRefError, token_index
@@ -55,6 +57,12 @@ def run(
         >>> t.meta["queries"], t["weights"].select()[1].round(4)
         ([1], array([0.3046, 0.3387, 0.3567]))
     """
+    if example.inputs != "embeddings":
+        raise ValueError(
+            f"this example gives {_GIVEN[example.inputs]} directly, without embeddings and "
+            "weights; run() and qkv explain need embeddings and weights. Hint: qkv check "
+            "checks such an example"
+        )
     num_heads = _heads(example, example.heads if heads is None else heads)
     scale = example.scale if scale is None else scale
     causal = example.causal if causal is None else causal
@@ -69,7 +77,9 @@ def run(
         example.W_v,
         example.W_o,
         num_heads=num_heads,
+        mask=allowed_keys(example),
         is_causal=causal,
+        causal_alignment="bottom-right" if example.alignment == "bottom-right" else "top-left",
         scale=_scale_factor(scale),
         trace=trace,
     )
@@ -80,6 +90,33 @@ def run(
     trace.meta["queries"] = None if queries is None else list(queries)
     trace.meta["example_queries"] = None if example.queries is None else list(example.queries)
     return trace
+
+
+_GIVEN = {"qkv": "Q, K and V", "qk": "Q and K", "scores": "its scores"}
+
+
+def allowed_keys(example: Example) -> np.ndarray | None:
+    """The (Lq, Lk) keys each query may attend by ``key_length`` and ``mask`` (True = may
+    attend; the causal rule aside), or None when neither is given.
+
+    Example:
+        >>> from qkv.examples import loads
+        >>> ex = loads("format: 2\\ninputs: {scores: [[1, 2], [3, 4]]}\\n"
+        ...            "options: {key_length: 1, scale: false}")
+        >>> allowed_keys(ex)
+        array([[ True, False],
+               [ True, False]])
+    """
+    lq = len(example.queries_named)
+    lk = len(example.tokens)
+    if example.key_length is None and example.mask is None:
+        return None
+    allowed = np.ones((lq, lk), dtype=bool)
+    if example.key_length is not None:
+        allowed[:, example.key_length :] = False
+    if example.mask is not None:
+        allowed &= example.mask
+    return allowed
 
 
 def _scale_factor(scale: bool | float) -> float | None:
