@@ -16,6 +16,7 @@ demo: $(VENV)/.installed
 	$(BIN)/qkv explain
 	@mkdir -p out
 	@$(BIN)/qkv explain --html out/explain.html --plot out/weights.png
+	@$(BIN)/qkv explain --html out/practice.html --practice
 
 test: $(VENV)/.installed-dev lint typecheck imports pytest
 
