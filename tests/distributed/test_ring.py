@@ -22,7 +22,7 @@ from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedExc
 import qkv
 from qkv import masks
 from qkv.distributed import Layout, ring_attention, shard
-from qkv.distributed import _ring as ring_module
+from qkv.distributed._profile import profiling
 from tests.distributed._group import run_group
 
 N = 24  # divides into 2·P chunks for P = 1, 2, 3, 4
@@ -36,6 +36,42 @@ GATHERED = (
 SEGMENTS = [[0] * 7 + [1] * 9 + [2] * 8, [0] * 13 + [1] * 11]
 
 
+def _parity_blocks(b: Any, h: Any, q0: Any, q1: Any, k0: Any, k1: Any) -> tuple[Any, Any]:
+    """Exact hint of ALTERNATE: which chunk parities each range of positions touches."""
+    q_even, q_odd = _touches(q0, q1)
+    k_even, k_odd = _touches(k0, k1)
+    some = (q_even & k_even) | (q_odd & k_odd)
+    every = (q_even ^ q_odd) & (k_even ^ k_odd) & (q_even == k_even)
+    return some, every
+
+
+def _touches(start: Any, end: Any) -> tuple[Any, Any]:
+    first, last = start // 6, (end - 1) // 6
+    spans = last > first
+    return spans | (first % 2 == 0), spans | (first % 2 == 1)
+
+
+def _other_blocks(b: Any, h: Any, q0: Any, q1: Any, k0: Any, k1: Any) -> tuple[Any, Any]:
+    """Exact hint of OTHER_CHUNKS: a block inside one chunk against itself is empty."""
+    q_first, q_last, k_first, k_last = q0 // 6, (q1 - 1) // 6, k0 // 6, (k1 - 1) // 6
+    some = ~((q_first == q_last) & (k_first == k_last) & (q_first == k_first))
+    every = (q_last < k_first) | (k_last < q_first)
+    return some, every
+
+
+# keys of the other chunks of 6 only: with the contiguous layout and P = 4, every rank's own
+# block (ring step 0) is empty, so the first block comes from one hop behind
+OTHER_CHUNKS = masks.from_function(
+    lambda b, h, q, kv: q // 6 != kv // 6, "other chunks", blocks=_other_blocks
+)
+
+# chunks of 6 alternate between two documents: with the contiguous layout and P = 4, rank r
+# needs only ranks r ± 2, so ring steps 1 and 3 are empty on every rank
+ALTERNATE = masks.from_function(
+    lambda b, h, q, kv: (q // 6) % 2 == (kv // 6) % 2, "alternate", blocks=_parity_blocks
+)
+
+
 def _cases() -> dict[str, dict[str, Any]]:
     """name -> keyword arguments of attention (and heads / kv_heads)."""
     return {
@@ -45,6 +81,8 @@ def _cases() -> dict[str, dict[str, Any]]:
         "sliding window both sides": {"mask": masks.sliding_window(3, 2)},
         "documents + causal": {"mask": masks.document(SEGMENTS), "is_causal": True},
         "prefix-LM": {"mask": masks.prefix_lm(9)},
+        "alternating documents": {"mask": ALTERNATE},
+        "other chunks": {"mask": OTHER_CHUNKS},
         "key padding + causal": {"mask": masks.key_padding([17, 24]), "is_causal": True},
         "rule without block hints": {
             "mask": masks.from_function(lambda b, h, q, kv: (q + kv) % 3 != 1, "thirds")
@@ -151,6 +189,9 @@ def _bad_input(rank: int, size: int) -> dict[str, str]:
         "mask": _message(lambda: ring_attention(q, q, q, mask=dense)),
         "shapes": _message(lambda: ring_attention(uneven, uneven, uneven)) if size > 1 else "",
         "heads": _message(lambda: ring_attention(q, q, q, strategy="ulysses")),
+        # a bad argument on rank 0 only: rank 0 raises its error, the others name rank 0,
+        # and nobody waits for the collective timeout
+        "one rank": _message(lambda: ring_attention(q, q, q, mask=dense if rank == 0 else None)),
         # after an error every rank can still run a call together
         "after": str(float(ring_attention(q, q, q, is_causal=True).abs().max())),
     }
@@ -159,25 +200,10 @@ def _bad_input(rank: int, size: int) -> dict[str, str]:
 def _counted(layout: Layout, options: dict[str, Any]) -> list[int]:
     """How many (query piece, key piece) pairs this rank's forward pass computes, and how
     many K/V exchanges it starts."""
-    calls = [0, 0]
-    pair, exchange = ring_module._pair, ring_module._exchange
-
-    def counting_pair(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        calls[0] += 1
-        return pair(*args)
-
-    def counting_exchange(*args: Any, **kwargs: Any) -> list[dist.Work]:
-        calls[1] += 1
-        return exchange(*args, **kwargs)
-
-    ring_module._pair = counting_pair  # type: ignore[assignment]
-    ring_module._exchange = counting_exchange
-    try:
-        q = torch.zeros(1, 1, N // dist.get_world_size(), 4)
+    q = torch.zeros(1, 1, N // dist.get_world_size(), 4)
+    with profiling() as profile:
         ring_attention(q, q, q, layout=layout, **options)
-    finally:
-        ring_module._pair, ring_module._exchange = pair, exchange
-    return calls
+    return [profile.pairs, profile.exchanges]
 
 
 def work(rank: int, size: int) -> dict[str, Any]:
@@ -195,6 +221,8 @@ def work(rank: int, size: int) -> dict[str, Any]:
     results["counts"] = {
         "zigzag causal": _counted("zigzag", {"is_causal": True}),
         "contiguous window": _counted("contiguous", {"mask": masks.sliding_window(2)}),
+        "contiguous alternating": _counted("contiguous", {"mask": ALTERNATE}),
+        "contiguous other chunks": _counted("contiguous", {"mask": OTHER_CHUNKS}),
     }
     for layout in LAYOUTS:
         for name, options in _cases().items():
@@ -230,6 +258,14 @@ def test_ring_attention_equals_single_process_forward_and_backward(
         # a window of 2 over N/P ≥ 6 positions reaches only this rank's and the previous
         # rank's block: one exchange, and the other P − 2 steps are neither computed nor sent
         assert counts["contiguous window"] == [1 if rank == 0 else 2, min(size - 1, 1)]
+        # P = 4: the empty steps 1 and 3 are skipped on every rank; the one exchange goes
+        # two hops; P = 2 and 3: every step has work somewhere
+        assert (
+            counts["contiguous alternating"] == {1: [1, 0], 2: [2, 1], 3: [3, 2], 4: [2, 1]}[size]
+        )
+        # P = 4: step 0 is empty everywhere: one move, then the two steps' exchanges
+        other = {1: [1, 0], 2: [2, 1], 3: [3, 2], 4: [3, 3]}[size]
+        assert counts["contiguous other chunks"] == other
         for name, result in results.items():
             if not (result["error"] <= 1e-10 and result["repeat_identical"]):
                 failures.append(f"rank {rank} {name}: {result}")
@@ -240,6 +276,10 @@ def test_ring_attention_equals_single_process_forward_and_backward(
         if size > 1:
             assert "ValueError: the shards differ between ranks" in bad["shapes"]
         assert bad["after"] == "0.0"
+        if rank == 0:
+            assert bad["one rank"].startswith("TypeError: mask must be a qkv.masks.Mask")
+        else:
+            assert bad["one rank"].startswith("ValueError: rank 0 refused its input")
         if size in (3, 4):  # 2 heads do not split across 3 or 4 ranks
             assert "ValueError: strategy 'ulysses' needs the heads" in bad["heads"]
     assert not failures, "\n".join(failures)

@@ -15,6 +15,7 @@ from typing import Any
 from qkv import _io
 from qkv.bench import Settings, Table, _tables
 from qkv.bench._tables import SECTION_NAMES
+from qkv.cli._bench_ring import add_ring
 from qkv.cli._common import Command, CommandError, Output, check_outputs, int_in_range, write_all
 
 DEFAULT_OUTPUT = "docs/benchmarks.md"
@@ -73,6 +74,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="only print the tables; write no file",
     )
+    add_ring(parser)  # qkv bench ring: ring attention across processes
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -280,6 +282,7 @@ COMMAND = Command(
         ("qkv bench --threads 2 --repeats 5", "two PyTorch threads, median of 5"),
         ("qkv bench --no-write", "the full run, printing the tables only"),
         ("qkv bench -o results.md", "write the tables into another file"),
+        ("qkv bench ring --quick", "ring attention across processes (qkv bench ring -h)"),
     ),
     configure=_configure,
     run=_run,

@@ -95,6 +95,22 @@ class Mask:
 
         return Mask(lambda *a: ~self(*a), f"~{_group(self, '~')}", blocks=blocks)
 
+    def block_bounds(
+        self,
+        b: Any,
+        h: Any,
+        q_start: Any,
+        q_end: Any,
+        kv_start: Any,
+        kv_end: Any,
+        q_len: int,
+        kv_len: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(some, every) for blocks of any ranges (ends exclusive, broadcast NumPy integer
+        arrays): may a pair in the block be allowed, is every pair allowed. Unknown
+        structure: maybe some, not every. :meth:`blocks` is this on a regular grid."""
+        return self._block_pair(b, h, q_start, q_end, kv_start, kv_end, q_len, kv_len)
+
     def _block_pair(self, *a: Any) -> tuple[np.ndarray, np.ndarray]:
         """(some, every) from the block rule; unknown: maybe some, not every."""
         if self._blocks is None:

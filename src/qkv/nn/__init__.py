@@ -7,6 +7,9 @@
   and with ``track_weights=True`` the attention mass each token received (for eviction).
 - :class:`TransformerBlock` - pre-norm attention and MLP.
 - :func:`masks_from_torch` - torch's True = ignore / additive masks to qkv's True = attend.
+- :func:`split_sequence` - sequence parallelism: every attention layer of a model runs on
+  this rank's share of one sequence with :func:`qkv.distributed.ring_attention`
+  (``MultiHeadAttention(sequence_group=...)`` for one layer); see ``docs/distributed.md``.
 
 The modules only project and split heads; the attention is
 :func:`qkv.scaled_dot_product_attention`. Inside ``qkv.tracing(model=model, ...)`` they
@@ -28,6 +31,15 @@ require("torch", feature="qkv.nn")
 from qkv.nn._block import TransformerBlock  # noqa: E402
 from qkv.nn._cache import KVCache  # noqa: E402
 from qkv.nn._mha import MultiHeadAttention  # noqa: E402
+from qkv.nn._sequence import SequenceSplit  # noqa: E402
+from qkv.nn._split import split_sequence  # noqa: E402
 from qkv.nn._torch import masks_from_torch  # noqa: E402
 
-__all__ = ["KVCache", "MultiHeadAttention", "TransformerBlock", "masks_from_torch"]
+__all__ = [
+    "KVCache",
+    "MultiHeadAttention",
+    "SequenceSplit",
+    "TransformerBlock",
+    "masks_from_torch",
+    "split_sequence",
+]

@@ -16,16 +16,18 @@ fused kernel when nobody asks for the weights or a trace, the readable reference
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 import torch
 from torch import nn
 
 from qkv.attention import scaled_dot_product_attention
+from qkv.distributed import Layout
 from qkv.masks import alibi
 from qkv.nn._cache import KVCache
 from qkv.nn._inputs import check_inputs, divisors, positive
 from qkv.nn._masks import MaskLike, combine_masks
+from qkv.nn._sequence import SequenceSplit, check_split, split_attention
 from qkv.nn._torch import read_torch
 from qkv.positional import ALiBi, RoPE, alibi_slopes, apply_rope
 from qkv.positional import resolve as resolve_positional
@@ -56,11 +58,20 @@ class MultiHeadAttention(nn.Module):
         sinks: learn one attention-sink logit per query head (initialised to 0), as in
             gpt-oss: each softmax row gets one more term exp(sink_h), so a head may give
             part of its attention to no token.
+        sequence_group: a ``torch.distributed`` process group to split the sequence
+            across (sequence parallelism, ring attention; see :func:`qkv.nn.split_sequence`):
+            each rank passes its own positions ``shard(x, layout=sequence_layout, dim=1)``,
+            of shape (B, N/P, E), and masks are rules in global positions. None: one process
+            holds the whole sequence.
+        sequence_layout, sequence_strategy: the layout (``"zigzag"``, ``"contiguous"``,
+            ``"striped"``) and strategy (``"ring"``, ``"allgather"``, ``"ulysses"``) of
+            :func:`qkv.distributed.ring_attention`.
 
     Attributes:
         q_proj, k_proj, v_proj, out_proj: the projections (``torch.nn.Linear``); in qkv's
             row-vector convention ``W_q = q_proj.weight.T`` (also the property ``W_q``).
         sinks: the (H,) sink logits (``nn.Parameter``), or None.
+        sequence_split: the :class:`qkv.nn.SequenceSplit` settings, or None.
 
     Example:
         >>> import torch
@@ -78,6 +89,7 @@ class MultiHeadAttention(nn.Module):
     bias_k: nn.Parameter | None
     bias_v: nn.Parameter | None
     sinks: nn.Parameter | None
+    sequence_split: SequenceSplit | None
 
     def __init__(
         self,
@@ -92,8 +104,12 @@ class MultiHeadAttention(nn.Module):
         dropout: float = 0.0,
         positional: str | RoPE | ALiBi | None = None,
         sinks: bool = False,
+        sequence_group: Any = None,
+        sequence_layout: Layout = "zigzag",
+        sequence_strategy: str = "ring",
     ) -> None:
         super().__init__()
+        self.sequence_split = check_split(sequence_group, sequence_layout, sequence_strategy)
         if not isinstance(sinks, bool):
             raise TypeError(
                 f"sinks must be True or False, got {type(sinks).__name__}. Hint: sinks=True "
@@ -204,6 +220,8 @@ class MultiHeadAttention(nn.Module):
             text += f", positional={self.positional}"
         if self.sinks is not None:
             text += ", sinks=True"
+        if self.sequence_split is not None:
+            text += f", sequence_layout={self.sequence_split.layout!r}"
         return text
 
     @classmethod
@@ -329,6 +347,18 @@ class MultiHeadAttention(nn.Module):
             weights_dtype=None if weights is None else weights.dtype,
             extra_rows=self.bias_k is not None or self.add_zero_attn,
         )
+        if self.sequence_split is not None:
+            return split_attention(
+                self,
+                query,
+                self.sequence_split,
+                self_attention=self_attention,
+                mask=mask,
+                lengths=key_padding_lengths,
+                is_causal=is_causal,
+                cache=cache,
+                need_weights=need_weights,
+            )
         args = (query, key, value, mask, key_padding_lengths, is_causal, cache, need_weights)
         trace = current_trace()
         if trace is None:  # tracing off: one ContextVar lookup, nothing else
