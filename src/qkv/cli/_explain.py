@@ -48,7 +48,19 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         help="explain a model trained with 'qkv train' (its --out folder or a checkpoint) "
         "on --text (docs/training.md)",
     )
-    parser.add_argument("--text", metavar="TEXT", help="with --model: the sentence to explain")
+    parser.add_argument(
+        "--hf",
+        metavar="MODEL",
+        help="explain a Hugging Face transformers model on --text: a folder written by "
+        "save_pretrained, or a model id already in the local cache; never downloaded "
+        "without --online (needs qkv[hf]; docs/hf.md)",
+    )
+    parser.add_argument(
+        "--online",
+        action="store_true",
+        help="with --hf: download MODEL from the Hugging Face Hub if it is not cached",
+    )
+    parser.add_argument("--text", metavar="TEXT", help="with --model or --hf: the text to explain")
     parser.add_argument(
         "--decode",
         action="store_true",
@@ -61,14 +73,22 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         "--layer",
         metavar="NAME",
         help="with --model: which attention layer (default: the self-attention; 'pool' for "
-        "a classifier's attention pooling)",
+        "a classifier's attention pooling); with --hf: a position among the attention "
+        "layers (-1: the last) or a module path (default: 0)",
+    )
+    parser.add_argument(
+        "--head",
+        type=int,
+        metavar="H",
+        help="with --hf: which head of --layer, from 0 (-1: the last; default: 0)",
     )
     parser.add_argument(
         "--query",
         "-q",
         metavar="TOKEN",
         help="show only this query: a token of the example, or its 0-based position "
-        "(default: the example's queries)",
+        "(default: the example's queries; with --hf: every token of a text of up to 64 "
+        "tokens, else the last)",
     )
     parser.add_argument(
         "--no-scale",
@@ -133,6 +153,12 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         "network; the terminal then shows nothing",
     )
     parser.add_argument(
+        "--practice",
+        action="store_true",
+        help="with --html: a practice page of the example: the learner types the rows of "
+        "each step and hears which slip a wrong row shows (docs/page.md)",
+    )
+    parser.add_argument(
         "--verbose",
         "-v",
         action="store_true",
@@ -161,10 +187,22 @@ def _step_list(text: str) -> tuple[str, ...]:
 def _run(args: argparse.Namespace) -> int:
     from qkv import render  # imported here: 'qkv --help' stays fast
 
+    if args.practice and not args.decode:
+        _practice_allowed(args)
     if args.decode:
         _decode(args)
         return 0
-    if args.model is not None or args.text is not None or args.layer is not None:
+    if args.hf is None and (args.head is not None or args.online):
+        given = "--head" if args.head is not None else "--online"
+        raise CommandError(
+            f"{given} goes with --hf MODEL. Hint: qkv explain --hf MODEL --text TEXT {given}"
+            + (f" {args.head}" if args.head is not None else "")
+        )
+    if args.hf is not None:
+        from qkv.cli._explain_hf import hf_trace  # transformers, PyTorch
+
+        trace = hf_trace(args)
+    elif args.model is not None or args.text is not None or args.layer is not None:
         from qkv.cli._train import model_trace  # a trained model: qkv.train, PyTorch
 
         trace = model_trace(args)
@@ -174,8 +212,9 @@ def _run(args: argparse.Namespace) -> int:
         trace = _example_trace(args)
     if args.steps is not None:
         trace = _keep_steps(trace, args.steps)
+    practice = _practice(args) if args.practice else None
     if args.plot is not None or args.html is not None:
-        _pictures(trace, args)
+        _pictures(trace, args, practice)
         return 0
     emit(
         args,
@@ -194,12 +233,14 @@ def _decode(args: argparse.Namespace) -> None:
         {
             "--trace": args.trace,
             "--model": args.model,
+            "--hf": args.hf,
             "--text": args.text,
             "--layer": args.layer,
             "--causal": args.causal,
             "--steps": args.steps,
             "--plot": args.plot,
             "--html": args.html,
+            "--practice": args.practice,
             "--verbose": args.verbose,
         },
         alongside="--decode",
@@ -389,7 +430,43 @@ _HINTS = {
 }
 
 
-def _pictures(trace: Trace, args: argparse.Namespace) -> None:
+def _practice_allowed(args: argparse.Namespace) -> None:
+    """``--practice`` needs a worked example and ``--html``."""
+    refuse_options(
+        {"--trace": args.trace, "--model": args.model, "--hf": args.hf, "--text": args.text},
+        alongside="--practice",
+        reason="a practice page is made from a worked example. Hint: qkv explain --example "
+        "NAME --html practice.html --practice",
+    )
+    if args.html is None:
+        raise CommandError(
+            "--practice: it makes a practice page, which needs --html FILE. Hint: qkv explain "
+            "--html practice.html --practice"
+        )
+
+
+def _practice(args: argparse.Namespace) -> dict[str, Any]:
+    """``--practice``: the practice data of ``--example`` with the options given."""
+    import dataclasses
+
+    from qkv import examples
+    from qkv.render._practice import practice_data
+
+    example = examples.resolve(args.example or examples.builtin_names()[0])
+    options: dict[str, Any] = {"scale": False} if args.no_scale else {}
+    if args.causal:
+        options["causal"] = True
+    if args.heads is not None:
+        options["heads"] = args.heads
+    try:
+        return practice_data(dataclasses.replace(example, **options), precision=args.precision)
+    except ValueError as error:
+        raise CommandError(f"--practice: {error}") from None
+
+
+def _pictures(
+    trace: Trace, args: argparse.Namespace, practice: dict[str, Any] | None = None
+) -> None:
     """Write the --plot, --html and --output files: all or none (:func:`write_all`)."""
 
     outputs: list[Output] = []
@@ -415,7 +492,7 @@ def _pictures(trace: Trace, args: argparse.Namespace) -> None:
             Output(
                 "--html",
                 args.html,
-                lambda path: _html_page(trace, path, args.precision),
+                lambda path: _html_page(trace, path, args.precision, practice),
                 "open it in a browser",
             )
         )
@@ -445,10 +522,12 @@ def _heatmap(trace: Trace, path: Path, step: str) -> None:
     render.heatmap(trace, path, step=step)
 
 
-def _html_page(trace: Trace, path: Path, precision: int) -> None:
+def _html_page(
+    trace: Trace, path: Path, precision: int, practice: dict[str, Any] | None = None
+) -> None:
     from qkv import render
 
-    render.html(trace, path, precision=precision)
+    render.html(trace, path, precision=precision, practice=practice)
 
 
 COMMAND = Command(
@@ -472,7 +551,10 @@ COMMAND = Command(
         ("qkv explain --trace trace.json", "a trace saved with Trace.save (docs/nn.md)"),
         ("qkv explain --example two-heads --plot weights.png", "a heatmap per head (or .svg)"),
         ("qkv explain --html explain.html", "an interactive page to open in a browser"),
+        ("qkv explain --html practice.html --practice", "a page to practise every step on"),
         ("qkv explain --model runs/classify --text 'not bad at all'", "a trained model"),
+        ("qkv explain --hf ./my-model --text 'The cat sat' --layer -1 --head 3", "a HF model"),
+        ("qkv explain --hf ./my-model --text 'The cat sat' --html model.html", "every head"),
         ("qkv explain --example two-heads --steps weights,context", "only these steps"),
         ("qkv explain --decode", "one decoding step with a KV cache = the full pass's last row"),
     ),

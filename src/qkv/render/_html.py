@@ -35,7 +35,9 @@ from typing import Any
 import numpy as np
 
 from qkv._io import write_atomic
+from qkv.render._lab import LAB_CALLS_MAX, lab_data
 from qkv.render._model import Section, StepView, Table
+from qkv.render._model_view import model_view
 from qkv.render._narrative import (
     _MATRIX_AXES,
     Heads,
@@ -78,6 +80,7 @@ def html(
     steps: Sequence[str] | None = None,
     layers: Sequence[int | str] | None = None,
     max_values: int | None = None,
+    practice: dict[str, Any] | None = None,
 ) -> HtmlPage:
     """The trace as one self-contained interactive HTML page (no network, no CDN).
 
@@ -95,6 +98,8 @@ def html(
         max_values: refuse to write more numbers than this (default :data:`MAX_VALUES`; a
             page takes about 5.4 bytes per number); raise it, or keep fewer ``steps`` or
             ``layers``, for a big trace.
+        practice: the data of practice mode (``render._practice.practice_data``): the page
+            then opens asking the learner to compute each step, with a toggle back.
 
     Returns:
         The page, as an :class:`HtmlPage`: a string that Jupyter shows as the interactive
@@ -115,6 +120,8 @@ def html(
         (True, False, True)
     """
     data = page_data(trace, precision=precision, steps=steps, layers=layers, max_values=max_values)
+    if practice is not None:
+        data["practice"] = practice
     page = HtmlPage(_assemble(data))
     if path is not None:
         write_atomic(path, page)
@@ -165,6 +172,7 @@ def page_data(
             "around an attention call, or pass trace=qkv.Trace()."
         )
     calls = _select_calls(trace_calls(trace), layers)
+    whole = dict(calls)  # every step each call recorded, for the page's edit mode
     if steps is not None:
         calls = _keep_steps(trace, calls, steps)
     total = sum(_numbers_shown(call) for _, call in calls)
@@ -180,6 +188,13 @@ def page_data(
         _call_data(trace, call, name, labels, precision)
         for (_, call), name in zip(calls, names, strict=True)
     ]
+    keep = None if steps is None else {steps} if isinstance(steps, str) else set(steps)
+    for position, ((index, _), shown) in enumerate(zip(calls, built, strict=True)):
+        if position >= LAB_CALLS_MAX:
+            break
+        lab = _lab_of(trace, whole[index], shown, labels, keep)
+        if lab is not None:
+            shown["lab"] = lab
     meta = trace.meta
     return {
         "format": "qkv-page",
@@ -189,7 +204,22 @@ def page_data(
         "precision": precision,
         "labels": labels.lists,
         "calls": built,
+        "modelView": model_view(
+            trace, [call for _, call in calls], names, labels.id, precision=precision
+        ),
     }
+
+
+def _lab_of(
+    trace: Trace, call: TraceCall, shown: dict[str, Any], labels: _Labels, keep: set[str] | None
+) -> dict[str, Any] | None:
+    """The inputs and variants of the page's edit mode for one call (see ``_lab``)."""
+
+    def describe(small: Trace, own: TraceCall) -> tuple[dict[str, Any], list[list[str]]]:
+        mine = _Labels()
+        return _call_data(small, own, "", mine, 4), mine.lists
+
+    return lab_data(trace, call, shown, labels.id, describe, keep)
 
 
 def _select_calls(
@@ -419,12 +449,12 @@ def _sha256(text: str) -> str:
     return base64.b64encode(hashlib.sha256(text.encode("utf-8")).digest()).decode("ascii")
 
 
-SCRIPTS = ("page.js",)
+SCRIPTS = ("page.js", "lab.js", "panels.js", "decode.js", "practice.js", "model_view.js")
 """The page's scripts, inlined in this order as one ``<script>``: ``page.js`` defines
 ``window.qkvPage`` (the page's state and helpers); each later file adds a part of the page
 with ``qkvPage.extend({...})``; the page starts once all of them are read."""
 
-STYLES = ("page.css",)
+STYLES = ("page.css", "practice.css", "model_view.css")
 """The page's style sheets, inlined in this order as one ``<style>``."""
 
 _START = "window.qkvPage.start();\n"

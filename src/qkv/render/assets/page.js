@@ -93,6 +93,19 @@
     return { probability: step.scale === "probability", max: max, masked: masked };
   }
 
+  // The same colours in 256 steps per ramp, for pictures of many cells (no array per cell).
+  const LUT_STEPS = 255;
+  const LUTS = new Map();
+
+  function lut(stops) {
+    if (!LUTS.has(stops)) {
+      const table = new Uint8ClampedArray(3 * (LUT_STEPS + 1));
+      for (let i = 0; i <= LUT_STEPS; i += 1) table.set(ramp(stops, i / LUT_STEPS), 3 * i);
+      LUTS.set(stops, table);
+    }
+    return LUTS.get(stops);
+  }
+
   function colour(v, scale) {
     if (!Number.isFinite(v)) return MASKED;
     const t = scale.max > 0 ? Math.abs(v) / scale.max : 0;
@@ -144,6 +157,10 @@
 
   // -- the page's frame -----------------------------------------------------------------------
 
+  window.addEventListener("resize", () => {
+    if (ui.hv) ui.hv.view = null;
+  });
+
   function buildShell() {
     app.replaceChildren();
     app.append(el("h1", { text: data.title }));
@@ -184,6 +201,9 @@
     ui.steps = el("div", { class: "steps" });
     layout.append(side, el("section", { "aria-label": "Step by step" }, [ui.steps]));
     app.append(layout);
+    ui.side = side;
+    ui.extras = el("div", { class: "extras" }); // panels that parts add below the steps
+    app.append(ui.extras);
   }
 
   function selectCall(index) {
@@ -208,6 +228,36 @@
     buildHeadView();
     notify("call");
     selectHead(0);
+  }
+
+  // After the call's numbers or its sections changed (an edit): rebuild the head choices, the
+  // head view and the steps, keeping the selected head and query where they still exist.
+  function redraw() {
+    const keep = { head: state.head, query: state.query, key: state.key };
+    ui.facts.replaceChildren();
+    for (const [label, text] of call().facts) {
+      ui.facts.append(el("dt", { text: label }), el("dd", { text: text }));
+    }
+    ui.head.replaceChildren();
+    for (const section of call().sections) {
+      if (section.head !== null) {
+        ui.head.append(el("option", { value: section.head, text: section.title }));
+      }
+    }
+    ui.headBox.hidden = call().heads < 2 || ui.head.options.length < 2;
+    state.head = Math.min(keep.head, Math.max(0, ui.head.options.length - 1));
+    const weights = stepFor("weights");
+    const shape = weights ? weights.rows + "|" + weights.cols + "|" + weights.shape.join("×") : "";
+    if (!ui.hv || ui.hvShape !== shape) buildHeadView(); // the same tokens: keep the buttons
+    ui.hvShape = shape;
+    const lq = weights ? weights.shape[0] : 0;
+    state.query = Math.min(keep.query, Math.max(0, lq - 1));
+    state.key = keep.key !== null && weights && keep.key < weights.shape[1] ? keep.key : null;
+    if (ui.head.options.length) ui.head.value = String(state.head);
+    if (ui.hv) ui.query.value = String(state.query);
+    renderSteps();
+    refreshHeadView();
+    highlight();
   }
 
   function selectHead(index) {
@@ -239,6 +289,8 @@
 
   function buildHeadView() {
     const box = ui.headView;
+    const shown = stepFor("weights");
+    ui.hvShape = shown ? shown.rows + "|" + shown.cols + "|" + shown.shape.join("×") : "";
     box.replaceChildren(el("h2", { id: "qkv-hv-title", text: "Head view" }));
     ui.hv = null;
     const weights = stepFor("weights");
@@ -273,9 +325,10 @@
     ui.hvNote = el("p", { class: "note" });
     box.append(ui.hvNote);
     scroll.addEventListener("scroll", () => {
+      ui.hv.view = null; // measured again on the next drawing
       if (!linesFrame) linesFrame = requestAnimationFrame(drawLines);
     });
-    ui.hv = { scroll: scroll, svg: svg, qButtons: qButtons, kButtons: kButtons };
+    ui.hv = { scroll: scroll, svg: svg, qButtons: qButtons, kButtons: kButtons, view: null };
     ui.queryBox.hidden = false;
     ui.query.replaceChildren();
     queries.forEach((label, i) => ui.query.append(el("option", { value: i, text: label })));
@@ -356,8 +409,11 @@
     const m = values(weights);
     const [lq, lk] = weights.shape;
     const scroll = ui.hv.scroll;
-    const top = scroll.scrollTop;
-    const bottom = top + (scroll.clientHeight || Math.max(lq, lk) * ROW);
+    // The rows in view, measured once per scroll or resize: reading them forces a layout,
+    // which an edit that redraws every step would otherwise pay twice.
+    if (!ui.hv.view) ui.hv.view = { top: scroll.scrollTop, height: scroll.clientHeight };
+    const top = ui.hv.view.top;
+    const bottom = top + (ui.hv.view.height || Math.max(lq, lk) * ROW);
     const first = Math.max(0, Math.floor(top / ROW) - 2);
     const last = Math.ceil(bottom / ROW) + 2;
     const thin = lk > TABLE_MAX ? THIN : 0;
@@ -398,20 +454,90 @@
   // -- the steps ------------------------------------------------------------------------------
 
   function renderSteps() {
-    ui.steps.replaceChildren(el("h2", { text: "Step by step" }));
+    // The card that holds the focus (an input cell being typed in) stays in the page, its
+    // colours redrawn, when the same step comes again: moving it would lose the focus.
+    const focused = document.activeElement;
+    const typing = focused && focused.matches("input.cell-edit") && ui.steps.contains(focused);
+    const held = typing ? focused.closest("article.step") : null;
+    const nodes = [el("h2", { text: "Step by step" })];
+    let kept = null;
     tables = [];
     for (const section of visibleSections()) {
-      if (section.title) ui.steps.append(el("h3", { class: "section-title", text: section.title }));
-      for (const step of section.steps) ui.steps.append(stepCard(step));
+      if (section.title) nodes.push(el("h3", { class: "section-title", text: section.title }));
+      for (const step of section.steps) {
+        if (!kept && held && sameStep(held, step, section.head)) {
+          kept = held;
+          recolour(held, step);
+          nodes.push(held);
+        } else {
+          const card = stepCard(step);
+          card.qkvHead = section.head;
+          nodes.push(card);
+        }
+      }
     }
+    if (!kept) {
+      ui.steps.replaceChildren(...nodes);
+      return;
+    }
+    for (const child of Array.from(ui.steps.children)) if (child !== kept) child.remove();
+    const at = nodes.indexOf(kept);
+    kept.before(...nodes.slice(0, at));
+    kept.after(...nodes.slice(at + 1));
+  }
+
+  function sameStep(card, step, head) {
+    const old = card.qkvStep;
+    return (
+      old &&
+      card.qkvHead === head &&
+      old.name === step.name &&
+      old.number === step.number &&
+      old.rows === step.rows &&
+      old.cols === step.cols &&
+      old.data &&
+      step.data &&
+      String(old.shape) === String(step.shape)
+    );
+  }
+
+  // A kept card shows the new numbers' colours and legend (its cells keep their editors).
+  function recolour(card, step) {
+    const entry = card.qkvTable;
+    card.qkvStep = step;
+    if (!entry) return;
+    entry.step = step;
+    tables.push(entry);
+    const m = values(step);
+    const scale = scaleOf(step, m);
+    const legendNode = card.querySelector(".legend");
+    if (legendNode) legendNode.textContent = legend(scale);
+    if (entry.kind !== "table") return;
+    const c = step.shape[1];
+    entry.cells.forEach((line, i) =>
+      line.forEach((td, j) => {
+        const v = m[i * c + j];
+        const rgb = colour(v, scale);
+        td.style.background = css(rgb);
+        td.style.color = ink(rgb);
+        if (!td.firstElementChild) {
+          if (td.title) td.title = labels[step.rows][i] + ", " + labels[step.cols][j] + ": " + fmt(v);
+          else td.textContent = fmt(v);
+        }
+      })
+    );
   }
 
   function stepCard(step) {
     const card = el("article", { class: "step", "data-step": step.name });
+    card.qkvStep = step;
     card.append(el("h3", { text: "Step " + step.number + ". " + step.title }));
     card.append(el("p", { class: "formula", text: step.formula }));
     if (step.meaning) card.append(el("p", { text: step.meaning }));
-    if (step.data) card.append(matrixView(step));
+    if (step.data) {
+      card.append(matrixView(step));
+      card.qkvTable = tables[tables.length - 1];
+    }
     if (step.equations.length) {
       const box = el("div", { class: "equations", role: "group", "aria-label": "worked lines" });
       for (const line of step.equations) box.append(el("div", { text: line }));
@@ -477,7 +603,9 @@
         if (Number.isFinite(v)) total += v;
         const rgb = colour(v, scale);
         const td = el("td", compact ? { title: rows[i] + ", " + cols[j] + ": " + fmt(v) } : {});
-        if (!compact) td.textContent = fmt(v);
+        const editor = api.editCell ? api.editCell(step, i, j, v) : null;
+        if (editor) td.append(editor);
+        else if (!compact) td.textContent = fmt(v);
         td.style.background = css(rgb);
         td.style.color = ink(rgb);
         line.push(td);
@@ -511,9 +639,24 @@
     canvas.style.height = r * sy + "px";
     const context = canvas.getContext("2d");
     const image = context.createImageData(c, r);
+    const pixels = image.data;
+    const [blues, oranges, purples] = [lut(BLUES), lut(ORANGES), lut(PURPLES)];
+    const unit = scale.max > 0 ? LUT_STEPS / scale.max : 0;
     for (let i = 0; i < r * c; i += 1) {
-      const rgb = colour(m[i], scale);
-      image.data.set([rgb[0], rgb[1], rgb[2], 255], 4 * i);
+      const v = m[i];
+      const at = 4 * i;
+      pixels[at + 3] = 255;
+      if (!Number.isFinite(v)) {
+        pixels[at] = MASKED[0];
+        pixels[at + 1] = MASKED[1];
+        pixels[at + 2] = MASKED[2];
+        continue;
+      }
+      const table = scale.probability ? blues : v < 0 ? oranges : purples;
+      const k = 3 * Math.min(LUT_STEPS, Math.round(Math.abs(v) * unit));
+      pixels[at] = table[k];
+      pixels[at + 1] = table[k + 1];
+      pixels[at + 2] = table[k + 2];
     }
     context.putImageData(image, 0, 0);
     const rowMark = el("div", { class: "mark" });
@@ -551,7 +694,8 @@
         r + " × " + c + ": too many cells for a table, drawn as a picture (one pixel per " +
         "value). Hover it, or focus it and use the arrow keys, to read a value.",
     });
-    return el("div", {}, [note, picture, readout]);
+    const editor = api.editPicture ? api.editPicture(step) : null;
+    return el("div", {}, editor ? [note, picture, readout, editor] : [note, picture, readout]);
   }
 
   function place(mark, x, y, w, h) {
@@ -611,6 +755,7 @@
       drawLines();
     }
     renderReading();
+    notify("highlight");
   }
 
   function rowMatches(step, on) {
@@ -716,9 +861,14 @@
   //
   // The page is one script made of several files (render/_html.py: SCRIPTS). This file goes
   // first and defines window.qkvPage; every later file adds a part of the page with
-  // qkvPage.extend({ shell(api), call(api), head(api) }), whose functions run after the page's
-  // frame is built, after a layer is selected, and after a head is selected. The page starts
-  // (qkvPage.start()) once every file has been read.
+  // qkvPage.extend({ shell(api), call(api), head(api), highlight(api), edit(api) }), whose
+  // functions run after the page's frame is built, after a layer is selected, after a head is
+  // selected, after the highlighted query or key changes, and after the learner edits the
+  // call's inputs or options (lab.js; api.edited() then says whether the call's numbers
+  // differ from the example as written). api.editCell(step, i, j, value) and
+  // api.editPicture(step), when a part defines them, give the editor of a table cell or of a
+  // large matrix (null: not editable). The page starts (qkvPage.start()) once every file has
+  // been read.
 
   const parts = [];
 
@@ -749,6 +899,15 @@
     renderSteps: renderSteps,
     refreshHeadView: refreshHeadView,
     highlight: highlight,
+    readingQuery: readingQuery,
+    highlighted: highlighted,
+    redraw: redraw,
+    notify: notify,
+    editCell: null,
+    editPicture: null,
+    edited: function () {
+      return Boolean(call().edited);
+    },
     extend: function (part) {
       parts.push(part);
     },
