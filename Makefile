@@ -21,8 +21,8 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed-dev lint typecheck imports pytest
 
 lint: $(VENV)/.installed-dev
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
 
 typecheck: $(VENV)/.installed-dev
 	$(BIN)/mypy
