@@ -13,16 +13,25 @@ from qkv.masks._rules import Mask
 _MASK32 = 0xFFFFFFFF
 
 
+def _times32(x: Array, constant: int) -> Array:
+    """``x · constant`` modulo 2³² for int64 arrays holding 32-bit values, without overflow:
+    the constant is taken in two 16-bit halves, so no product exceeds 2⁴⁸ (int64 never wraps,
+    and NumPy never warns, on arrays or on 0-d values)."""
+    low = x * (constant & 0xFFFF)
+    high = ((x * (constant >> 16)) & 0xFFFF) << 16
+    return (low + high) & _MASK32
+
+
 def _mix32(xp: Any, x: Array) -> Array:
     """A 32-bit integer hash (MurmurHash3's finaliser) on int64 arrays holding 32-bit values.
 
-    Products are taken in int64 and cut to their low 32 bits, which wrap the same way in
-    NumPy and PyTorch, so both give the same bits.
+    Every product is taken modulo 2³² by :func:`_times32`, so NumPy and PyTorch give the same
+    bits.
     """
     x = x ^ (x >> 16)
-    x = (x * 0x85EBCA6B) & _MASK32
+    x = _times32(x, 0x85EBCA6B)
     x = x ^ (x >> 13)
-    x = (x * 0xC2B2AE35) & _MASK32
+    x = _times32(x, 0xC2B2AE35)
     return x ^ (x >> 16)
 
 
