@@ -10,6 +10,7 @@ import array_api_compat.torch as torch_xp
 import torch
 
 from qkv.kernels._blocks import plan_blocks
+from qkv.kernels._threads import caller_on_one_core
 from qkv.kernels._tiled import Problem, tiled_function
 from qkv.masks import Mask, ScoreMod, draw_seed, dropout_keep, with_causal
 from qkv.masks._scores import as_score_mod
@@ -139,57 +140,59 @@ def run_tiled(
     once on a 1 × 1 block (:func:`captured_tensors`) and get their gradients from the
     backward pass, block by block.
     """
-    batch, heads, q_len, _ = query.shape
-    kv_heads, kv_len = key.shape[1], key.shape[2]
-    dtype = query.dtype
-    if batch == 0 or heads == 0:  # nothing to compute: an empty result, as torch gives
-        return _empty(query, key, value, bias, return_lse)
-    compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    q, k, v = (x.to(compute).contiguous() for x in (query, key, value))
-    if bias is not None and bias.dtype != compute:
-        bias = bias.to(compute)
-    plan = plan_blocks(
-        rule,
-        batch=batch,
-        heads=heads,
-        q_len=q_len,
-        kv_len=kv_len,
-        heads_per_kv=heads // kv_heads,
-        block_q=block_q,
-        block_kv=block_kv,
-        skip=skip_blocks,
-        dense_mask=dense_mask is not None,
-    )
-    keep = None
-    if dropout_p > 0 and seed is not None:
-        keep = dropout_keep(dropout_p, seed)
-    masked = rule is not None or dense_mask is not None
-    exact = masked and (score_mod is not None or not _all_finite(q, k, bias))
-    huge = bias is not None and huge_bias(bias)
-    # A −inf bias (or a score modifier, which may return −inf) masks keys out: their weights
-    # must be exactly 0. Checked once per call; the no-bias path never pays for it.
-    blocked = score_mod is not None or (bias is not None and _holds_neg_inf(bias))
-    problem = Problem(
-        scale=scale,
-        rule=rule,
-        dense_mask=dense_mask,
-        score_mod=score_mod,
-        dropout_p=dropout_p,
-        keep=keep,
-        plan=plan,
-        skip=skip_blocks,
-        exact_masking=exact,
-        huge=huge,
-        blocked_scores=blocked,
-    )
-    captured: tuple[torch.Tensor, ...] = ()
-    if score_mod is not None and torch.is_grad_enabled():
-        captured = captured_tensors(score_mod, query, exclude=(query, key, value, bias, sinks))
-    out, lse = tiled_function(q, k, v, bias, problem, captured)
-    if sinks is not None:
-        out, lse = with_sinks(out, lse, sinks.to(compute))
-    out = out.to(dtype)
-    return (out, lse) if return_lse else out
+    # The caller's own operations (checks, plan, sinks) on one core: see caller_on_one_core.
+    with caller_on_one_core(query.device.type == "cpu"):
+        batch, heads, q_len, _ = query.shape
+        kv_heads, kv_len = key.shape[1], key.shape[2]
+        dtype = query.dtype
+        if batch == 0 or heads == 0:  # nothing to compute: an empty result, as torch gives
+            return _empty(query, key, value, bias, return_lse)
+        compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        q, k, v = (x.to(compute).contiguous() for x in (query, key, value))
+        if bias is not None and bias.dtype != compute:
+            bias = bias.to(compute)
+        plan = plan_blocks(
+            rule,
+            batch=batch,
+            heads=heads,
+            q_len=q_len,
+            kv_len=kv_len,
+            heads_per_kv=heads // kv_heads,
+            block_q=block_q,
+            block_kv=block_kv,
+            skip=skip_blocks,
+            dense_mask=dense_mask is not None,
+        )
+        keep = None
+        if dropout_p > 0 and seed is not None:
+            keep = dropout_keep(dropout_p, seed)
+        masked = rule is not None or dense_mask is not None
+        exact = masked and (score_mod is not None or not _all_finite(q, k, bias))
+        huge = bias is not None and huge_bias(bias)
+        # A −inf bias (or a score modifier, which may return −inf) masks keys out: their weights
+        # must be exactly 0. Checked once per call; the no-bias path never pays for it.
+        blocked = score_mod is not None or (bias is not None and _holds_neg_inf(bias))
+        problem = Problem(
+            scale=scale,
+            rule=rule,
+            dense_mask=dense_mask,
+            score_mod=score_mod,
+            dropout_p=dropout_p,
+            keep=keep,
+            plan=plan,
+            skip=skip_blocks,
+            exact_masking=exact,
+            huge=huge,
+            blocked_scores=blocked,
+        )
+        captured: tuple[torch.Tensor, ...] = ()
+        if score_mod is not None and torch.is_grad_enabled():
+            captured = captured_tensors(score_mod, query, exclude=(query, key, value, bias, sinks))
+        out, lse = tiled_function(q, k, v, bias, problem, captured)
+        if sinks is not None:
+            out, lse = with_sinks(out, lse, sinks.to(compute))
+        out = out.to(dtype)
+        return (out, lse) if return_lse else out
 
 
 def with_sinks(

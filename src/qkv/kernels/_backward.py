@@ -97,7 +97,7 @@ def attention_backward(
         g = slice(group.start, group.start + group.q.shape[0])
         values = v[g] if special is None else special.clean[g]
         rows = _RowData(grad_out[g], safe_lse[g], delta[g])
-        for k0, k1, queries in columns_of(group.kinds, problem.plan, q_len, kv_len):
+        for k0, k1, queries in columns_of(group.kinds, problem.plan, q_len, kv_len, group):
 
             def task(
                 scratch: _Scratch,

@@ -14,7 +14,7 @@ waste less area, a dense one larger blocks with fewer calls.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -28,10 +28,11 @@ scores are 2 MiB, the matrix products run near their peak, and a 4096-token sequ
 16 query blocks to share among threads."""
 
 _CANDIDATES = (64, 128, 256)
-# The fixed cost of one block, in units of score elements (6 to 12 PyTorch calls of
-# ~8 µs, against ~1 ns per score element for the products and the softmax), and the extra
-# cost of a partial block (the mask is evaluated and applied).
-_BLOCK_OVERHEAD = 100_000
+# The fixed cost of one block, in units of score elements (about 30 µs of PyTorch calls,
+# against about 1.5 ns per score element for the products and the softmax, fitted to the
+# times of 64, 128 and 256 blocks on a sliding window of 512 at N = 4096, one core), and
+# the extra cost of a partial block (the mask is evaluated and applied).
+_BLOCK_OVERHEAD = 30_000
 _PARTIAL_COST = 1.3
 
 
@@ -45,11 +46,21 @@ class BlockPlan:
             and :data:`~qkv.masks.FULL`, already combined over heads (a block is empty only
             when it is empty for every head). The batch axis has size B only when the
             structure differs between batch elements.
+        structure: the kinds the mask's structure gives, when ``kinds`` differs from them
+            (``skip=False``: every block is computed and its mask evaluated), else None.
+            Runs (:func:`qkv.kernels._blockwise.blocks_of`) follow the structure, so the
+            blocks are summed in the same groups with or without skipping, and the result
+            is the same to the bit.
+        runs: adjacent full blocks are computed as one run (one matrix product over
+            them); False when the block sizes were given, so that exactly those blocks are
+            computed.
     """
 
     block_q: int
     block_kv: int
     kinds: np.ndarray
+    structure: np.ndarray | None = None
+    runs: bool = True
 
     @property
     def per_batch(self) -> bool:
@@ -63,6 +74,13 @@ class BlockPlan:
         """The (nq, nk) kinds for one batch element (or for all, when shared)."""
         kinds: np.ndarray = self.kinds[batch_index if self.per_batch else 0]
         return kinds
+
+    def structure_for(self, batch_index: int) -> np.ndarray | None:
+        """The (nq, nk) ``structure`` for one batch element, or None."""
+        if self.structure is None:
+            return None
+        structure: np.ndarray = self.structure[batch_index if self.per_batch else 0]
+        return structure
 
 
 def plan_blocks(
@@ -94,11 +112,13 @@ def plan_blocks(
         bq = block_q or _default_rows(heads_per_kv)
         bk = block_kv or DEFAULT_BLOCK
         args = (batch, heads, q_len, kv_len, min(bq, q_len), min(bk, kv_len), skip, dense_mask)
-        return _plan(rule, *args)
+        given = block_q is not None or block_kv is not None
+        return replace(_plan(rule, *args), runs=not given)
     best: tuple[float, BlockPlan] | None = None
     for size in _CANDIDATES:
         bq, bk = min(_rows_for(size, heads_per_kv), q_len), min(size, kv_len)
-        plan = _plan(rule, batch, heads, q_len, kv_len, bq, bk, skip, dense_mask)
+        # the sizes follow the structure, with or without skipping (the same runs, bits)
+        plan = _plan(rule, batch, heads, q_len, kv_len, bq, bk, True, dense_mask)
         per_block = batch * heads * plan.block_q * plan.block_kv
         full = int((plan.kinds == FULL).sum()) * (batch if not plan.per_batch else 1)
         partial = int((plan.kinds == PARTIAL).sum()) * (batch if not plan.per_batch else 1)
@@ -108,7 +128,11 @@ def plan_blocks(
         if best is None or cost < best[0]:
             best = (cost, plan)
     assert best is not None
-    return best[1]
+    chosen = best[1]
+    if skip:
+        return chosen
+    sizes = (chosen.block_q, chosen.block_kv)
+    return _plan(rule, batch, heads, q_len, kv_len, *sizes, skip, dense_mask)
 
 
 def _default_rows(heads_per_kv: int) -> int:
@@ -132,6 +156,7 @@ def _plan(
     dense_mask: bool,
 ) -> BlockPlan:
     nq, nk = -(-q_len // block_q), -(-kv_len // block_kv)
+    structure: np.ndarray | None = None
     if rule is None:
         kinds = np.full((1, nq, nk), FULL, dtype=np.int8)
     else:
@@ -140,8 +165,9 @@ def _plan(
         kinds = np.where(low == high, low, PARTIAL).astype(np.int8)  # (B or 1, nq, nk)
         if kinds.shape[0] > 1 and (kinds == kinds[:1]).all():
             kinds = kinds[:1]
-        if not skip:  # evaluate the mask on every block
-            kinds = np.full_like(kinds, PARTIAL)
     if dense_mask:  # the array may mask any block: evaluate it on every one
         kinds = np.where(kinds == FULL, PARTIAL, kinds).astype(np.int8)
-    return BlockPlan(block_q, block_kv, np.ascontiguousarray(kinds))
+    if rule is not None and not skip:  # evaluate the mask on every block
+        structure = np.ascontiguousarray(kinds)
+        kinds = np.full_like(kinds, PARTIAL)
+    return BlockPlan(block_q, block_kv, np.ascontiguousarray(kinds), structure)

@@ -98,19 +98,21 @@ class Problem:
 
 
 class Buffers:
-    """Reusable score buffers, one per shape (a fresh 8 MiB tensor per block costs page
-    faults)."""
+    """A reusable score buffer, grown to the largest block seen (a fresh 8 MiB tensor per
+    block costs page faults); each request gets a view of its start, so blocks of
+    different shapes share it (one block at a time)."""
 
     def __init__(self) -> None:
         self._store: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def get(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        key = (shape, like.dtype, like.device)
+        key = (like.dtype, like.device)
+        size = math.prod(shape)
         buffer = self._store.get(key)
-        if buffer is None:
-            buffer = torch.empty(shape, dtype=like.dtype, device=like.device)
+        if buffer is None or buffer.numel() < size:
+            buffer = torch.empty(size, dtype=like.dtype, device=like.device)
             self._store[key] = buffer
-        return buffer
+        return buffer[:size].view(shape)
 
 
 @dataclass
@@ -126,7 +128,8 @@ class Group:
     mask: torch.Tensor | None  # broadcasts to (Bg, H, Lq, Lk)
     kinds: Any  # (nq, nk) numpy int8
     shift: torch.Tensor | None = None  # the row shift, (Bg, H, Lq, 1) (backward, huge bias)
-    views: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    structure: Any = None  # (nq, nk) numpy int8: the structural kinds (skip=False), or None
+    views: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
 
     @property
     def rows(self) -> int:  # Bg · Hkv: the batch of the matrix products
@@ -134,18 +137,18 @@ class Group:
 
     def keys_t(self, k0: int, k1: int) -> torch.Tensor:
         """The key block transposed, (Bg·Hkv, D, bk): a view, made once per call."""
-        found = self.views.get((0, k0))
+        found = self.views.get((0, k0, k1))
         if found is None:  # two threads may both make it: the same view, no harm
             found = kv_block(self.k, k0, k1).transpose(1, 2)
-            self.views[(0, k0)] = found
+            self.views[(0, k0, k1)] = found
         return found
 
     def values(self, v: torch.Tensor, k0: int, k1: int) -> torch.Tensor:
         """The block of ``v`` (the values, or their cleaned copy), (Bg·Hkv, bk, Dv)."""
-        found = self.views.get((id(v), k0))
+        found = self.views.get((id(v), k0, k1))
         if found is None:
             found = kv_block(v, k0, k1)
-            self.views[(id(v), k0)] = found
+            self.views[(id(v), k0, k1)] = found
         return found
 
 
@@ -185,7 +188,7 @@ def split_groups(
     mask = None if mask is None else mask.expand(*mask.shape[:2], lq, lk)
     shift = problem.row_shift
     if not plan.per_batch:
-        return [Group(0, q, k, v, bias, mask, plan.kinds_for(0), shift)]
+        return [Group(0, q, k, v, bias, mask, plan.kinds_for(0), shift, plan.structure_for(0))]
 
     def pick(x: torch.Tensor | None, b: int) -> torch.Tensor | None:
         return None if x is None else (x[b : b + 1] if x.shape[0] > 1 else x)
@@ -200,6 +203,7 @@ def split_groups(
             pick(mask, b),
             plan.kinds_for(b),
             pick(shift, b),
+            plan.structure_for(b),
         )
         for b in range(q.shape[0])
     ]
@@ -359,30 +363,62 @@ def dropout_block(
     return keep
 
 
-def blocks_of(kinds: Any, plan: BlockPlan, q_len: int, kv_len: int) -> Any:
-    """(i, q0, q1) for every query block, with [(k0, k1, kind), ...] of its non-empty blocks."""
+RUN_ELEMENTS = 1 << 19
+"""The most score elements (2 MiB of float32, as one 256 × 256 block of 8 heads) one run
+of blocks computes at once: longer runs are cut (a long run's passes over its scores leave
+the caches: runs of 8 and 32 MiB were measured slower)."""
+
+
+def blocks_of(kinds: Any, plan: BlockPlan, q_len: int, kv_len: int, group: Group) -> Any:
+    """(q0, q1, [(k0, k1, kind), ...]) for every query block, with its runs of keys.
+
+    A run is a stretch of adjacent full key blocks computed as one: one matrix product and
+    one softmax pass over the stretch instead of one per block; a partial block is a run of
+    its own (measured: evaluating and adding the mask over a whole mixed run cost more than
+    the calls it saved). Runs are cut at :data:`RUN_ELEMENTS` scores; each block is a run
+    of its own when the plan's block sizes were given (``plan.runs`` False).
+    """
+    per_position = group.q.shape[0] * group.q.shape[1]  # Bg·H score rows per query
     for i, q0 in enumerate(range(0, q_len, plan.block_q)):
         q1 = min(q0 + plan.block_q, q_len)
-        row = kinds[i]
-        keys = [
-            (k0, min(k0 + plan.block_kv, kv_len), int(row[j]))
-            for j, k0 in enumerate(range(0, kv_len, plan.block_kv))
-            if row[j] != EMPTY
-        ]
-        yield q0, q1, keys
+        structure = None if group.structure is None else group.structure[i]
+        longest = RUN_ELEMENTS // (per_position * (q1 - q0)) if plan.runs else 0
+        yield q0, q1, _runs(kinds[i], structure, plan.block_kv, kv_len, longest)
 
 
-def columns_of(kinds: Any, plan: BlockPlan, q_len: int, kv_len: int) -> Any:
-    """(k0, k1) for every key block, with [(q0, q1, kind), ...] of its non-empty blocks."""
+def columns_of(kinds: Any, plan: BlockPlan, q_len: int, kv_len: int, group: Group) -> Any:
+    """(k0, k1, [(q0, q1, kind), ...]) for every key block, with its runs of queries (as
+    :func:`blocks_of`, along the other axis)."""
+    per_position = group.q.shape[0] * group.q.shape[1]
     for j, k0 in enumerate(range(0, kv_len, plan.block_kv)):
         k1 = min(k0 + plan.block_kv, kv_len)
-        column = kinds[:, j]
-        queries = [
-            (q0, min(q0 + plan.block_q, q_len), int(column[i]))
-            for i, q0 in enumerate(range(0, q_len, plan.block_q))
-            if column[i] != EMPTY
-        ]
-        yield k0, k1, queries
+        structure = None if group.structure is None else group.structure[:, j]
+        longest = RUN_ELEMENTS // (per_position * (k1 - k0)) if plan.runs else 0
+        yield k0, k1, _runs(kinds[:, j], structure, plan.block_q, q_len, longest)
+
+
+def _runs(
+    kinds: Any, structure: Any, size: int, length: int, longest: int
+) -> list[tuple[int, int, int]]:
+    """The non-empty blocks of one row (or column) of the plan as runs: adjacent full blocks
+    merged into runs of at most ``max(longest, size)`` positions, each partial block a run
+    of its own (its mask is evaluated and added on that block only). ``structure``, when
+    given, says which blocks are full or empty by the mask's structure (``skip=False``
+    computes every block as partial): the runs then follow it."""
+    runs: list[tuple[int, int, int]] = []
+    joinable = False  # whether the last run is full by the structure and may grow
+    for j, kind in enumerate(kinds.tolist()):
+        if kind == EMPTY:
+            joinable = False
+            continue
+        shape = kind if structure is None else int(structure[j])
+        start, end = j * size, min((j + 1) * size, length)
+        if joinable and shape == FULL and runs[-1][1] == start and end - runs[-1][0] <= longest:
+            runs[-1] = (runs[-1][0], end, runs[-1][2])
+        else:
+            runs.append((start, end, int(kind)))
+            joinable = shape == FULL
+    return runs
 
 
 # -- forward -------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ def attention_forward(
         g = slice(group.start, group.start + group.q.shape[0])
         values = group.v if special is None else special.clean[g]
         hits = None if special is None else special.hits[g]
-        for q0, q1, keys in blocks_of(group.kinds, problem.plan, q_len, kv_len):
+        for q0, q1, keys in blocks_of(group.kinds, problem.plan, q_len, kv_len, group):
 
             def task(
                 buffers: Buffers,
@@ -88,7 +88,7 @@ def attention_forward(
                     rows_max = grouped_max[g, :, :, q0:q1]
                     rows_max.copy_(row_max.view(rows_max.shape))
 
-            tasks.append((len(keys), task))
+            tasks.append((sum(k1 - k0 for k0, k1, _ in keys), task))
     # The longest tasks first: the threads then finish together (causal rows differ in length).
     ordered = [task for _, task in sorted(tasks, key=lambda pair: -pair[0])]
     run_tasks(ordered, Buffers, on_cpu=q.device.type == "cpu")

@@ -27,6 +27,7 @@ import torch
 from qkv.kernels._backward import attention_backward
 from qkv.kernels._blockwise import Problem
 from qkv.kernels._forward import attention_forward
+from qkv.kernels._threads import caller_on_one_core
 
 __all__ = ["Problem", "attention_forward", "tiled_function"]
 
@@ -69,9 +70,10 @@ class _TiledAttention(torch.autograd.Function):
         wanted = tuple(
             t for t, needed in zip(captured, ctx.needs_input_grad[5:], strict=True) if needed
         )
-        dq, dk, dv, dbias, d_wanted = attention_backward(
-            q, k, v, bias, out, lse, grad_out, grad_lse, problem, need_bias, wanted
-        )
+        with caller_on_one_core(q.device.type == "cpu"):  # its sums: see there
+            dq, dk, dv, dbias, d_wanted = attention_backward(
+                q, k, v, bias, out, lse, grad_out, grad_lse, problem, need_bias, wanted
+            )
         found = dict(zip((id(t) for t in wanted), d_wanted, strict=True))
         d_captured = tuple(found.get(id(t)) for t in captured)
         return (dq, dk, dv, dbias, None, *d_captured)
