@@ -282,8 +282,8 @@ def test_one_vocabulary_with_check_function() -> None:
 
 
 def test_format1_files_keep_their_rules() -> None:
-    """The precision policy and the new codes are format 2's: a format-1 file is judged as
-    before (its reports do not change)."""
+    """not-softmax is format 2's: a format-1 file keeps its verdict there (the precision
+    policy and the other codes apply to both: test_check_format1_policy.py)."""
     text = (
         "tokens: [a, b, c]\nembeddings: [[1, 0], [0, 1], [1, 1]]\n"
         "weights: {W_q: [[1, 0], [0, 1]], W_k: [[1, 0], [0, 1]], W_v: [[1, 0], [0, 1]]}\n"

@@ -14,9 +14,10 @@ and says, for each:
 - ``note``: off only beyond the printed digits (``rounding``), not counted as an error.
 
 Every message says, in plain words, what the step should have been and gives the correct
-numbers. A ``format: 2`` file is judged with the precision policy of docs/check.md (exact
-numbers carry no rounding; inputs declared rounded widen every allowance by their true
-effect) and the codes of format 2 (``sum-normalised``, ``not-softmax``, ``digit-slip``, ...).
+numbers. Every file is judged with the precision policy of docs/check.md (exact numbers
+carry no rounding; in format 2, inputs declared rounded widen every allowance by their true
+effect) and every code (``sum-normalised``, ``mask-ignored``, ``digit-slip``, ...), except
+``not-softmax``, which only a ``format: 2`` file gets.
 ``qkv check`` is the command-line form (docs/check.md).
 
 Example:

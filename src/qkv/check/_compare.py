@@ -218,7 +218,7 @@ def grade(
 ) -> tuple[str, ...]:
     """Each claimed number: ``"ok"``, ``"rounding"`` (off by at most one unit of its last
     printed digit, beyond the allowance) or ``"wrong"``. ``band``: how far beyond the
-    allowance a rounding note reaches (default ``half``; format 2 gives whole numbers none).
+    allowance a rounding note reaches (default ``half``; the policy gives whole numbers none).
 
     Example:
         >>> half = half_units([2, 2, 2])

@@ -6,12 +6,14 @@ explains the row when every printed number is within its allowance (printed prec
 carried rounding, computed for that slip). When several rows of a step are wrong, the slip
 that explains the most of them wins (one mistake repeated is likelier than several), then the
 order of :data:`~qkv.check._findings.DIAGNOSES`, then the printed starting point.
+``other-weights`` is tried only for a row that no named slip explains: weights solved for
+from the row itself can reproduce almost any context row.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -61,17 +63,17 @@ def slips_for(setup: Setup, step: str, t: int) -> list[Slip]:
         >>> from qkv.examples import builtin
         >>> setup = Setup.of(builtin("i-love-statistics"))
         >>> sorted({s.code for s in slips_for(setup, "weights", 1)})
-        ['query-key-swapped', 'scaled-by-dk', 'softmax-wrong-axis', 'unscaled', 'wrong-query']
+        ['query-key-swapped', 'scaled-by-dk', 'softmax-wrong-axis', 'sum-normalised',
+         'unscaled', 'wrong-query']
     """
     slips: list[Slip] = []
-    two = setup.policy == 2
     if _at_or_after(step, "scaled"):
         if not np.isclose(setup.factor, 1.0):
             slips.append(Slip(UNSCALED))
         if setup.d_k > 1 and not np.isclose(setup.factor, 1.0 / setup.d_k):
             slips.append(Slip(SCALED_BY_DK))
         dmodel = 1.0 / np.sqrt(max(setup.d_model, 1))
-        if two and setup.heads > 1 and not np.isclose(setup.factor, dmodel):
+        if setup.heads > 1 and not np.isclose(setup.factor, dmodel):
             slips.append(Slip(SCALED_BY_DMODEL))
     uses = {
         "Q": ("W_q",),
@@ -89,13 +91,13 @@ def slips_for(setup: Setup, step: str, t: int) -> list[Slip]:
     slips += [Slip(TRANSPOSED, weights=(name,)) for name in square]
     if len(square) > 1:
         slips.append(Slip(TRANSPOSED, weights=tuple(square)))
-    if two and _at_or_after(step, "exp") and setup.masked:
+    if _at_or_after(step, "exp") and setup.masked:
         slips += [Slip(MASK_IGNORED), Slip(MASK_INVERTED)]
         if setup.causal and setup.lq != setup.lk:
             slips.append(Slip(MISALIGNED))
     if _at_or_after(step, "weights") and setup.lq > 1:
         slips.append(Slip(WRONG_AXIS))
-    if two and _at_or_after(step, "weights"):
+    if _at_or_after(step, "weights"):
         slips.append(Slip(SUM_NORMALISED))
     if _at_or_after(step, "scores") and setup.length > 1 and setup.lq == setup.lk:
         slips.append(Slip(SWAPPED))
@@ -103,7 +105,7 @@ def slips_for(setup: Setup, step: str, t: int) -> list[Slip]:
         pairs = [(q, t) for q in range(setup.lq)] if setup.lq == setup.lk else []
         pairs += [(t, j) for j in range(setup.lk) if j != t]
         slips += [Slip(NOT_SUMMED, row=t, query=q, key=j) for q, j in pairs]
-    if two and setup.heads > 1 and step in ("context", "output"):
+    if setup.heads > 1 and step in ("context", "output"):
         slips.append(Slip(HEADS_AVERAGED))
     if step != "K" and step != "V" and "scores" not in setup.given:
         others = [j for j in range(setup.lq) if j != t]
@@ -162,6 +164,46 @@ def _group(candidate: Candidate, t: int) -> tuple[object, ...]:
 _ORDER = {code: k for k, code in enumerate(DIAGNOSES)}
 
 
+@dataclass
+class _Cache:
+    """The slipped computations of one step, shared by its wrong rows."""
+
+    step: str
+    forwards: dict[tuple[Slip, str], Values] = field(default_factory=dict)
+    sensitivities: dict[tuple[Slip, str], Sensitivity] = field(default_factory=dict)
+
+
+def _explains(
+    setup: Setup,
+    slip: Slip,
+    problem: Problem,
+    slot: str,
+    entries: Sequence[Entry],
+    starts: Sequence[tuple[str, Overrides, Sensitivity, Sequence[float] | None]],
+    cache: _Cache,
+) -> list[Candidate]:
+    """The starting points from which ``slip`` gives the printed row, as candidates."""
+    found = []
+    for name, base, plain_sens, ratios in starts:
+        key = (slip, name)
+        if key not in cache.forwards:
+            cache.forwards[key] = forward(setup, slip, base)
+        value = row_of(cache.forwards[key], slot, problem.t)
+        plain_value = row_of(plain_sens.values, slot, problem.t)
+        if np.allclose(value, plain_value, rtol=0, atol=EPSILON):
+            continue  # the slip changes nothing here
+        carried = plain_sens.carried(slot, problem.t, ratios)
+        off = np.abs(problem.claimed - value)
+        if np.any(off > problem.half + LOOSE * carried + 10 * EPSILON):
+            continue
+        if key not in cache.sensitivities:
+            cache.sensitivities[key] = Sensitivity(setup, slip, base, entries, until=cache.step)
+        close = cache.sensitivities[key].carried(slot, problem.t, ratios)
+        if matches(problem.claimed, value, problem.half, close):
+            found.append(Candidate(slip, name, value, cache.forwards[key]))
+    return found
+
+
 def diagnose_step(
     setup: Setup,
     step: str,
@@ -182,37 +224,22 @@ def diagnose_step(
     Returns:
         (token, slot) → the chosen candidate, or None where no slip reproduces the row.
     """
-    forwards: dict[tuple[Slip, str], Values] = {}
-    sensitivities: dict[tuple[Slip, str], Sensitivity] = {}
+    cache = _Cache(step)
     found: dict[tuple[int, str], list[Candidate]] = {}
     for problem in problems:
         slot = problem.slot or step
         where = (problem.t, slot)
         found[where] = []
-        slips = slips_for(setup, step, problem.t)
-        if setup.policy == 2 and step in ("context", "output") and slot == step:
+        for slip in slips_for(setup, step, problem.t):
+            found[where] += _explains(setup, slip, problem, slot, entries, starts, cache)
+        if not found[where] and step in ("context", "output") and slot == step:
+            # other weights can be solved for from almost any context row: only a last resort
             printed = next((b for n, b, *_ in starts if n == "claimed"), None)
             printed_values = None if printed is None else forward(setup, None, printed)
             plain = starts[-1][2].values
-            slips += other_weights(setup, problem.t, problem.claimed, plain, printed_values)
-        for slip in slips:
-            for name, base, plain_sens, ratios in starts:
-                key = (slip, name)
-                if key not in forwards:
-                    forwards[key] = forward(setup, slip, base)
-                value = row_of(forwards[key], slot, problem.t)
-                plain_value = row_of(plain_sens.values, slot, problem.t)
-                if np.allclose(value, plain_value, rtol=0, atol=EPSILON):
-                    continue  # the slip changes nothing here
-                carried = plain_sens.carried(slot, problem.t, ratios)
-                off = np.abs(problem.claimed - value)
-                if np.any(off > problem.half + LOOSE * carried + 10 * EPSILON):
-                    continue
-                if key not in sensitivities:
-                    sensitivities[key] = Sensitivity(setup, slip, base, entries, until=step)
-                close = sensitivities[key].carried(slot, problem.t, ratios)
-                if matches(problem.claimed, value, problem.half, close):
-                    found[where].append(Candidate(slip, name, value, forwards[key]))
+            others = other_weights(setup, problem.t, problem.claimed, plain, printed_values)
+            for slip in others:
+                found[where] += _explains(setup, slip, problem, slot, entries, starts, cache)
     counts: dict[tuple[object, ...], int] = {}
     for (t, _), candidates in found.items():
         for group in {_group(c, t) for c in candidates}:

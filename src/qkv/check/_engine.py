@@ -24,6 +24,7 @@ from qkv.check._compare import (
     WRONG,
     Entry,
     Sensitivity,
+    allowance,
     grade,
     half_units,
     input_effect,
@@ -194,26 +195,25 @@ def _claimed_rows(
             correct=right,
             decimals=min(max(max(decimals, default=0), 2), 8),
         )
-        if setup.policy == 2:
-            if printed_step != step:  # the step computed from the rows printed before it
-                base: dict[str, dict[int, np.ndarray]] = {k: dict(v) for k, v in assumed.items()}
-                for r in rows:
-                    base.setdefault(r.slot, {})[r.t] = r.values
-                printed, printed_step = forward(setup, None, base), step
-            _policy2(row, setup, correct, printed, effect, allowed)
+        if printed_step != step:  # the step computed from the rows printed before it
+            base: dict[str, dict[int, np.ndarray]] = {k: dict(v) for k, v in assumed.items()}
+            for r in rows:
+                base.setdefault(r.slot, {})[r.t] = r.values
+            printed, printed_step = forward(setup, None, base), step
+        _apply_policy(row, correct, printed, effect, allowed)
         rows.append(row)
     return rows
 
 
-def _policy2(
+def _apply_policy(
     row: _Row,
-    setup: Setup,
     correct: Values,
     printed: Values | None,
     effect: Values | None,
     allowed: np.ndarray,
 ) -> None:
-    """Format 2: masked scores, the variant of the exponentials, and the precision policy."""
+    """Masked scores, the variant of the exponentials, and the precision policy (both
+    formats): a whole number that the exact inputs make whole leaves no doubt."""
     if row.step in ("scores", "scaled"):
         masked = ~np.isfinite(row.values) | (row.values <= MASKED_BELOW)
         if masked.any():
@@ -304,7 +304,7 @@ def _judge(
         row.status = "mismatch"
         candidate = chosen[row.t, row.slot]
         row.diagnosis = "arithmetic" if candidate is None else candidate.slip.code
-        if candidate is None and setup.policy == 2:
+        if candidate is None:
             message = _look_at_row(row, setup, printed, words)
             if message:
                 row.message = message
@@ -313,8 +313,9 @@ def _judge(
 
 
 def _look_at_row(row: _Row, setup: Setup, printed: Sensitivity | None, words: Words) -> str | None:
-    """Format 2's slips seen in the printed row itself: masked scores at the wrong keys, one
-    digit wrong, weights out of the order of their scores. Sets the diagnosis."""
+    """The slips seen in the printed row itself: masked scores at the wrong keys, one digit
+    wrong with the rest right, and (format 2) weights out of the order of their scores.
+    Sets the diagnosis."""
     p = row.decimals
     if row.masked is not None:
         code = mask_pattern(setup, row.t, row.masked)
@@ -327,7 +328,8 @@ def _look_at_row(row: _Row, setup: Setup, printed: Sensitivity | None, words: Wo
         refs.append((row.correct, wrong))
     if printed is not None:  # a slip in a number computed from the printed ones
         value = row_of(printed.values, row.slot, row.t)
-        off = np.abs(row.values - value) > 2 * row.half + 1e-9
+        near = allowance(row.half, printed.carried(row.slot, row.t), value)
+        off = np.abs(row.values - value) > near  # the rest of the row is right
         refs.append((value, [int(i) for i in np.flatnonzero(off)]))
     for ref, bad in refs:
         if len(bad) != 1 or len(row.marks) < 2 or not np.isfinite(ref[bad[0]]):
@@ -338,7 +340,7 @@ def _look_at_row(row: _Row, setup: Setup, printed: Sensitivity | None, words: Wo
             row.diagnosis = "digit-slip"
             said = words.digit_slip(row.claimed.texts[i], right, i, row.step)
             return f"{said} {words.correct_line(row.slot, row.t, p)}"
-    if row.step == "weights":
+    if row.step == "weights" and setup.names_not_softmax:
         scaled_slot = row.slot.replace("weights", "scaled")
         candidates = [row_of(words.correct, scaled_slot, row.t)]
         if printed is not None:

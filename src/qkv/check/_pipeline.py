@@ -140,8 +140,8 @@ class Setup:
         allow: the (Lq, Lk) keys allowed by key padding and an explicit mask, or None.
         alignment: ``"top-left"`` or ``"bottom-right"``.
         d_model: the width whose root ``scaled-by-dmodel`` divides by.
-        policy: 1 for a format-1 example (its rules as they were), 2 for format 2 (the
-            precision policy and the codes of format 2).
+        version: the example's format, 1 or 2: the precision policy and every code apply to
+            both, except ``not-softmax`` (:attr:`names_not_softmax`).
         precision: the inputs printed rounded: name → decimals.
     """
 
@@ -157,7 +157,7 @@ class Setup:
     allow: np.ndarray | None = None
     alignment: str = "top-left"
     d_model: int = 0
-    policy: int = 1
+    version: int = 1
     precision: Mapping[str, int] = dataclasses.field(default_factory=dict)
     head_dim: int = 0
 
@@ -189,7 +189,7 @@ class Setup:
             allow=allowed_keys(example),
             alignment=example.alignment,
             d_model=d_model,
-            policy=example.format,
+            version=example.format,
             precision=dict(example.precision),
             head_dim=example.d_k or 0,
         )
@@ -228,6 +228,14 @@ class Setup:
     def has_values(self) -> bool:
         """Whether there are value vectors (V, context and output can be computed)."""
         return "V" in self.given or ("Q" not in self.given and "scores" not in self.given)
+
+    @property
+    def names_not_softmax(self) -> bool:
+        """Whether weights out of the order of their scores are called ``not-softmax``:
+        format 2 only. The rule reads one printed row, not a computation, and format 1's
+        golden seed-000 report must stay as it is: its weights of "love" are out of the order
+        of its printed scores, ``arithmetic`` in format 1."""
+        return self.version == 2
 
     @property
     def masked(self) -> bool:

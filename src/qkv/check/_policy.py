@@ -1,12 +1,13 @@
-"""Format 2's precision policy and the slips found by looking at the printed row itself.
+"""The precision policy and the slips found by looking at the printed row itself.
 
-The precision policy (``docs/check.md``): a claimed number equal to the exact value from exact
-inputs is exact, so its rounding is not carried; a whole number whose correct value is whole
-leaves no doubt at all; everything else is as in format 1 (half a unit of the last digit).
+The precision policy (``docs/check.md``, both formats): a claimed number equal to the exact
+value from exact inputs is exact, so its rounding is not carried; a whole number whose correct
+value is whole leaves no doubt at all; everything else carries half a unit of its last digit.
 
 The slips here are not made by :func:`~qkv.check._pipeline.forward`: a digit wrong or two
-swapped (``digit-slip``), weights no softmax of the scores gives (``not-softmax``), and masked
-scores (``-inf``) at the wrong places (``mask-inverted``, ``causal-misaligned``).
+swapped (``digit-slip``), weights no softmax of the scores gives (``not-softmax``, format 2
+only: :attr:`~qkv.check._pipeline.Setup.names_not_softmax`), and masked scores (``-inf``) at
+the wrong places (``mask-inverted``, ``causal-misaligned``).
 """
 
 from __future__ import annotations

@@ -205,7 +205,7 @@ class Words(Format2Words):
             return f"The sum of the exponentials of {who}{in_head} is {row[1:-1]}."
         if step == "weights":
             over = "(over the keys)"
-            if self.setup.policy == 1 and self.setup.causal:
+            if self.setup.version == 1 and self.setup.causal:
                 over += " (keys after it get weight 0)"
             elif self.setup.masked:
                 over = "(over the keys; a masked key gets weight 0)"
@@ -232,7 +232,7 @@ class Words(Format2Words):
         )
 
     def _before_mask(self) -> str:
-        if self.setup.policy == 2 and self.setup.masked:
+        if self.setup.version == 2 and self.setup.masked:
             return " (before the mask; a masked key's score may be printed as −∞)"
         return ""
 

@@ -1,4 +1,4 @@
-"""The sentences of format 2's slips: masks, digit slips, weights that are no softmax, and
+"""The sentences of the newer slips: masks, digit slips, weights that are no softmax, and
 a context from other weights. :class:`~qkv.check._words.Words` has them."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _and(items: Sequence[str]) -> str:
 
 
 class Format2Words(ABC):
-    """What :class:`~qkv.check._words.Words` says about the slips of format 2."""
+    """What :class:`~qkv.check._words.Words` says about masks, digit slips and not-softmax."""
 
     setup: Setup
 
