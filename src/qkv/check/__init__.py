@@ -20,6 +20,10 @@ effect) and every code (``sum-normalised``, ``mask-ignored``, ``digit-slip``, ..
 ``not-softmax``, which only a ``format: 2`` file gets.
 ``qkv check`` is the command-line form (docs/check.md).
 
+Tools that make the slips themselves (the page's practice mode) use :class:`Setup` (an
+example's numbers and options), :func:`slips_for` (the slips that can change a row),
+:class:`Slip` and :func:`forward` (every step's values, with one slip made on purpose).
+
 Example:
     >>> from qkv.check import check
     >>> report = check("i-love-statistics")          # seed 000, with its printed numbers
@@ -36,6 +40,7 @@ Example:
     ['findings', 'ok']
 """
 
+from qkv.check._diagnose import slips_for
 from qkv.check._engine import check
 from qkv.check._function import (
     FUNCTION_DIAGNOSES,
@@ -44,18 +49,25 @@ from qkv.check._function import (
     check_function,
     check_function_file,
 )
+from qkv.check._pipeline import ROW_STEPS, Setup, Slip, Values, forward
 from qkv.check._report import DIAGNOSES, FORMATS, STATUSES, Finding, Report
 
 __all__ = [
     "DIAGNOSES",
     "FORMATS",
     "FUNCTION_DIAGNOSES",
+    "ROW_STEPS",
     "STATUSES",
     "Finding",
     "FunctionError",
     "FunctionReport",
     "Report",
+    "Setup",
+    "Slip",
+    "Values",
     "check",
     "check_function",
     "check_function_file",
+    "forward",
+    "slips_for",
 ]

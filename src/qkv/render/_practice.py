@@ -9,7 +9,7 @@ slip reproduction, and every sentence comes from :func:`qkv.check.check` run on 
 
 - the **correct** row, and the sentence ``qkv check`` says about it (``correct``);
 - per **slip** (``unscaled``, ``softmax-wrong-axis``, ``wrong-query``, ... every slip
-  :func:`~qkv.check._diagnose.slips_for` tries for that row): the row that slip gives from
+  :func:`~qkv.check.slips_for` tries for that row): the row that slip gives from
   correct earlier numbers, with its diagnosis code and sentence;
 - per **consequential** row: the row a correct step gives from earlier numbers that carry one
   slip (the finite set of plausible wrong earlier values: each slip of an earlier step), with
@@ -33,8 +33,7 @@ import hashlib
 import json
 from typing import Any
 
-from qkv.check import DIAGNOSES
-from qkv.check._pipeline import Setup
+from qkv.check import DIAGNOSES, Setup
 from qkv.examples import Example
 from qkv.render._practice_rows import (
     INPUTS,

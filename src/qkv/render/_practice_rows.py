@@ -1,7 +1,7 @@
 """The rows practice mode compares with, per typed row (see :mod:`qkv.render._practice`).
 
 For the row of token t in a step, worked out with ``qkv check``'s own slip reproduction
-(:func:`~qkv.check._pipeline.forward`, :func:`~qkv.check._diagnose.slips_for`) and judged by
+(:func:`~qkv.check.forward`, :func:`~qkv.check.slips_for`) and judged by
 :func:`qkv.check.check`, whose sentences they carry:
 
 - the **slips**: the row each slip that can change it gives from correct earlier numbers, with
@@ -27,9 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from qkv.check import DIAGNOSES, check
-from qkv.check._diagnose import slips_for
-from qkv.check._pipeline import ROW_STEPS, Setup, Slip, Values, forward
+from qkv.check import DIAGNOSES, ROW_STEPS, Setup, Slip, Values, check, forward, slips_for
 from qkv.examples import Claimed, Example
 
 __all__ = [
