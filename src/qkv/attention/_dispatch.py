@@ -329,19 +329,45 @@ def scaled_dot_product_attention(
     return (context, weights) if return_weights else context
 
 
-def run_call(call: Call, backend: str = "auto") -> tuple[Array, Array | None]:
+def run_call(
+    call: Call, backend: str = "auto", *, rows_only: bool = False
+) -> tuple[Array, Array | None]:
     """Run a checked call on the backend chosen for it; returns (context, weights or None).
 
     A fast backend computes the context; a trace then gets its (Lq, Lk) steps from the
     reference, on the selected heads and query rows (:func:`record_partial`).
+
+    ``rows_only=True`` (a model's traced layer) makes ``"auto"`` prefer that split whenever
+    the trace selects fewer heads or query rows than the call has and no weights are asked
+    for: the fast backend that would run the call untraced computes the context, and the
+    reference only the selected rows, in O(rows · Lk) memory instead of O(H · Lq · Lk).
     """
     call = positional_bias(call)
+    if rows_only and backend == "auto" and _selects_part(call):
+        fast = choose(replace(call, recorder=Recorder()), "auto")
+        backend = backend if fast == "reference" else fast
     chosen = choose(call, backend)
     if chosen == "reference" or call.trace is None:
         return BACKENDS[chosen].run(call)
     context, _ = BACKENDS[chosen].run(replace(call, recorder=Recorder()))
     record_partial(call, call.trace, context, backend=chosen)
     return context, None
+
+
+def _selects_part(call: Call) -> bool:
+    """Whether the call's trace records fewer (head, query row) pairs than the call has and
+    no weights are asked for (then the reference need not run on every row)."""
+    trace = call.trace
+    if trace is None or call.return_weights or not call.torch:
+        return False
+    heads_total = int(call.query.shape[-3]) if "head" in call.lead else 1
+    q_len = int(call.query.shape[-2])
+    heads = trace.selection("head", heads_total) if "head" in call.lead else None
+    queries = trace.selection("query", q_len)
+    kept = (heads_total if heads is None else len(heads)) * (
+        q_len if queries is None else len(queries)
+    )
+    return kept < heads_total * q_len
 
 
 def positional_bias(call: Call) -> Call:

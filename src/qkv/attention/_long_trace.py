@@ -9,13 +9,14 @@ query rows only, with each step's ``index`` saying which rows it holds.
 from __future__ import annotations
 
 import warnings
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import Any
 
 from qkv._array import Array, library
 from qkv.attention import _backends
 from qkv.attention._backends import _REFERENCE_COPIES, MEMORY_FRACTION, _itemsize, _size
-from qkv.attention._options import Call, Positions, Recorder, shapes_of
+from qkv.attention._options import Call, Positions, Recorder, call_facts, shapes_of
 from qkv.attention._reference import attend
 from qkv.trace import Trace
 
@@ -94,7 +95,8 @@ def _record_rows(call: Call, trace: Trace, positions: Positions, context: Array)
     rows_options = replace(options, mask=options.mask if mask is None else mask, bias=bias)
     partial = Trace()
     recorder = Recorder(partial, squeeze_heads=call.recorder.squeeze_heads, positions=positions)
-    attend(xp, query, key, value, rows_options, lead=lead, recorder=recorder)
+    with _no_grad(query):  # recorded values only: no autograd graph for them
+        attend(xp, query, key, value, rows_options, lead=lead, recorder=recorder)
     whole = {"Q": call.query, "K": call.key, "V": call.value, "context": context}
     index = {"query": list(rows)}
     if positions.heads is not None:
@@ -113,8 +115,21 @@ def _record_rows(call: Call, trace: Trace, positions: Positions, context: Array)
     sink = partial.meta.get("sink")
     if sink is not None:  # the share of the selected rows: say which, as the steps do
         sink["index"] = index
-    # The facts as the rows' own call gave them (num_heads counts the heads recorded).
-    trace.end_call(**partial.meta)
+    # The facts as the rows' own call gave them (num_heads counts the heads recorded), but
+    # the mask as the caller gave it, not cut to the rows.
+    facts = dict(partial.meta)
+    if options.mask is not None:
+        facts["mask"] = call_facts(call.query, call.key, call.value, lead, options)["mask"]
+    trace.end_call(**facts)
+
+
+def _no_grad(x: Array) -> AbstractContextManager[Any]:
+    """``torch.no_grad()`` for a tensor (imported only then), else nothing."""
+    if library(x) != "torch":
+        return nullcontext()
+    import torch
+
+    return torch.no_grad()
 
 
 def _take(xp: Any, x: Array, rows: list[int], axis: int) -> Array:

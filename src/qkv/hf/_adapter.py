@@ -11,13 +11,14 @@ and a causal call that arrives without a mask is an error, never run unmasked.
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
 from qkv._extras import require
-from qkv.attention import scaled_dot_product_attention
+from qkv.attention._dispatch import make_call, run_call
 from qkv.masks import softcap as softcap_mod
 from qkv.trace import Trace, current_trace, suspended
 from qkv.trace._context import register_model_adapter
@@ -134,16 +135,17 @@ def qkv_attention_forward(
             "function (importing qkv.hf does)",
         )
     softcap = kwargs.get("softcap")
-    mask, bias = None, kwargs.get("position_bias")  # T5's relative position bias
+    bias = kwargs.get("position_bias")  # T5's relative position bias
     if softcap is not None and bias is not None:
         raise _refuse(
             family,
             f"softcap={softcap} together with a position_bias",
             "no transformers family combines them; trace such a model with the eager path",
         )
+    layout: dict[str, Any] = {}
     if attention_mask is not None:
         if attention_mask.dtype == require("torch", feature="qkv.hf").bool:
-            mask = attention_mask
+            layout = _boolean_mask(attention_mask, int(query.shape[2]), int(key.shape[2]))
         elif softcap is None:  # an additive mask, added as eager adds it
             bias = attention_mask if bias is None else bias + attention_mask
         else:
@@ -157,7 +159,7 @@ def qkv_attention_forward(
         query,
         key,
         value,
-        mask=mask,
+        **layout,
         bias=bias,
         score_mod=None if softcap is None else softcap_mod(float(softcap)),
         scale=scaling,
@@ -167,21 +169,78 @@ def qkv_attention_forward(
     return output.transpose(1, 2).contiguous(), weights
 
 
+_MASK_KINDS: list[tuple[weakref.ref[Any], int, str]] = []
+"""The kind of the last few boolean masks seen (transformers hands the same mask to every
+layer of a forward pass): a weak reference, the tensor's version, its kind."""
+
+
+def _mask_kind(mask: Any, q_len: int, kv_len: int) -> str:
+    """``"all"`` (every key allowed), ``"causal"`` (exactly key j ≤ i + Lk − Lq, on every
+    batch element) or ``"dense"`` (padding, a window, anything else) for a boolean mask
+    (B or 1, H or 1, Lq, Lk); remembered per tensor, so a forward pass checks it once."""
+    try:
+        version = int(mask._version)
+    except RuntimeError:  # an inference-mode tensor keeps no version: check it every time
+        version = -1
+    for ref, seen, kind in _MASK_KINDS:
+        if ref() is mask and seen == version >= 0:
+            return kind
+    torch = require("torch", feature="qkv.hf")
+    if bool(mask.all()):
+        kind = "all"
+    elif q_len <= kv_len and tuple(mask.shape[-2:]) == (q_len, kv_len):
+        causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=mask.device)
+        causal = causal.tril(kv_len - q_len)
+        kind = "causal" if torch.equal(mask, causal.expand_as(mask)) else "dense"
+    else:
+        kind = "dense"
+    if version >= 0:
+        _MASK_KINDS[:] = [*_MASK_KINDS[-3:], (weakref.ref(mask), version, kind)]
+    return kind
+
+
+def _boolean_mask(mask: Any, q_len: int, kv_len: int) -> dict[str, Any]:
+    """The qkv options of a boolean transformers mask (True = may attend).
+
+    A mask that allows every key is dropped and one that is exactly causal becomes
+    ``is_causal`` (bottom-right when Lq < Lk, as in decoding with a cache), as transformers'
+    own SDPA path does, so that torch's fused kernel skips the blocks above the diagonal;
+    the result is the same. Any other mask (padding, a window) is passed as it is.
+    """
+    kind = _mask_kind(mask, q_len, kv_len)
+    if kind == "all":
+        return {}
+    if kind == "causal":
+        alignment = "top-left" if q_len == kv_len else "bottom-right"
+        return {"is_causal": True, "causal_alignment": alignment}
+    return {"mask": mask}
+
+
 def _run(module: Any, query: Any, key: Any, value: Any, **options: Any) -> Any:
-    """Run qkv's attention, inside the module's layer when the enclosing trace selects it."""
+    """Run qkv's attention, inside the module's layer when the enclosing trace selects it.
+
+    A layer that is not recorded runs on the fast path (``auto``: torch's SDPA, or the tiled
+    kernel for softcap and sinks). A recorded layer runs the same fast path for its output
+    and recomputes only the selected heads and query rows on the reference (O(rows · N)
+    memory); only when transformers collects the weights (``output_attentions=True``) does
+    the reference form them all.
+    """
     counter = _calls.get()
     if counter is not None:
         counter[0] += 1
+    weights = _wants_weights()
 
     def attend() -> Any:
-        return scaled_dot_product_attention(
+        call = make_call(
             query,
             key,
             value,
             enable_gqa=query.shape[1] != key.shape[1],
-            return_weights=_wants_weights(),
+            return_weights=weights,
             **options,
         )
+        context, formed = run_call(call, rows_only=True)
+        return (context, formed) if weights else context
 
     trace = current_trace()
     if trace is None:
