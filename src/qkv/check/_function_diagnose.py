@@ -15,7 +15,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from qkv._format import number
-from qkv.check._findings import Finding
+from qkv.check._findings import DIAGNOSES, Finding
 from qkv.check._function_run import Outcome
 from qkv.check._probes import ORDER_SCORES, SLIPS, Probe, causal_allow, per_slice, probes
 
@@ -27,26 +27,21 @@ FUNCTION_DIAGNOSES = {
     "unscaled": "the scores are not divided by √d_k before the softmax; attention is "
     "softmax(Q·Kᵀ/√d_k)·V",
     "scaled-by-dk": "the scores are divided by d_k instead of √d_k",
-    "scaled-by-dmodel": "each head's scores are divided by √d_model instead of √d_head "
-    "(d_head = d_model / num_heads)",
+    "scaled-by-dmodel": DIAGNOSES["scaled-by-dmodel"],
     "transposed-weights": "X·Wᵀ instead of X·W: with row vectors, Q = X·W_q (the same for K, "
     "V and the output W_o)",
     "softmax-wrong-axis": "softmax over the queries (axis -2) instead of over the keys: each "
     "row of weights, one per query, must sum to 1 (softmax over the last axis)",
     "query-key-swapped": "K·Qᵀ instead of Q·Kᵀ: row i of the scores must hold query i's "
     "scores against every key",
-    "sum-normalised": "the scores are divided by their row sum instead of going through "
-    "softmax (exponentiate, then divide by the sum of the exponentials)",
-    "mask-ignored": "the mask (or the causal rule) is not applied: a masked key must get "
-    "weight 0 (set its score to −inf before the softmax)",
-    "mask-inverted": "the mask is applied the wrong way round: each query attends exactly the "
-    "keys it must not",
-    "causal-misaligned": "the causal rule is aligned at the wrong corner when Lq ≠ Lk",
+    "sum-normalised": DIAGNOSES["sum-normalised"],
+    "mask-ignored": DIAGNOSES["mask-ignored"],
+    "mask-inverted": DIAGNOSES["mask-inverted"],
+    "causal-misaligned": DIAGNOSES["causal-misaligned"],
     "not-softmax": "the weights are not a softmax of the scores: each row must be "
     "exp(s_j) / Σ exp(s), so a larger score always gets a larger weight, in a fixed ratio "
     "e^(s_j − s_k)",
-    "heads-averaged": "the heads' attention is averaged instead of each head's context being "
-    "computed on its own slice of V and the heads concatenated before W_o",
+    "heads-averaged": DIAGNOSES["heads-averaged"],
     "no-max-subtraction": "softmax overflows to inf or NaN at large scores: subtract each "
     "row's maximum score before exp (softmax does not change)",
     "masked-row-nan": "a fully masked row gives NaN; qkv's policy gives it zero weights and a "
@@ -56,7 +51,9 @@ FUNCTION_DIAGNOSES = {
     "Q.shape[-1], and take the softmax over the last axis",
     "unrecognised": "the outputs are not attention's and match none of the known slips",
 }
-"""Each code ``--function`` can report, with its sentence: what is wrong and what it should be."""
+"""Each code ``--function`` can report, with its sentence: what is wrong and what it should be.
+Codes a worked example can show too share :data:`~qkv.check.DIAGNOSES`'s sentence; the others
+say it in terms of code (axes, ``K.T``)."""
 
 _RTOL = 1e-4
 _ATOL = 1e-6
