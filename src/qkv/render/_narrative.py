@@ -548,6 +548,8 @@ class _CallBuilder:
         if scale is None:
             return None
         value = number(float(scale), self.p)
+        if d_k and abs(float(scale) * d_k**0.5 - 1.0) <= 1e-6:
+            mode = "sqrt_dk"  # a scale passed explicitly (a model's own) that is 1/√d_k
         if mode == "sqrt_dk" and d_k:
             plain = f"scaled by 1/√d_k = 1/√{d_k} = {value}"
             latex = rf"scaled by $1/\sqrt{{d_k}} = 1/\sqrt{{{d_k}}} = {value}$"
