@@ -55,10 +55,13 @@ def test_the_grid_has_a_map_per_layer_and_head(tab: Tab, model_page: Path) -> No
     assert tab.js(VALUE.format("qkv-layer")) == "1"
     assert tab.js(VALUE.format("qkv-head")) == "2"
     assert "Head 3 of 4" in tab.js("document.querySelector('.steps').textContent")
+    # ... and on the last token, the one a causal model predicts from
+    query = VALUE.format("qkv-query")
+    assert tab.js(query) == str(tab.js("document.getElementById('qkv-query').length") - 1)
     label = tab.js("document.querySelector('.mv-map').getAttribute('aria-label')")
     assert re.fullmatch(
-        r"model\.layers\.0\.self_attn, Head 1 of 4 \(key/value head 1 of 2\): query the#0 "
-        r"attends most to the#0 \(weight 1\.0000\); largest share in the map \d\.\d{4}\.",
+        r"model\.layers\.0\.self_attn, Head 1 of 4 \(key/value head 1 of 2\): query ran "
+        r"attends most to \S+ \(weight 0\.\d{4}\); largest share in the map \d\.\d{4}\.",
         label,
     ), label
     assert tab.js("document.querySelector('.mv-map').title") == label

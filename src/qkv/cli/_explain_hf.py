@@ -163,6 +163,8 @@ def _every_head(
             "from the end)."
         )
     trace.meta["selected"] = {"layer": layer, "head": head % heads}
+    if rows is None and trace.tokens:  # the page opens on the last token, a model's next step
+        trace.meta["queries"] = [len(trace.tokens) - 1]
     trace.meta["description"] = str(trace.meta.get("description", "")) + note
     return trace
 
