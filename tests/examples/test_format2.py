@@ -71,8 +71,8 @@ def test_version_1_files_load_as_before() -> None:
 
 
 def test_run_refuses_direct_inputs_with_a_clear_message() -> None:
-    ex = loads("format: 2\ninputs: {Q: [[1]], K: [[1]], V: [[1]]}")
-    with pytest.raises(ValueError, match="gives Q, K and V directly"):
+    ex = loads("format: 2\ninputs: {Q: [[1]], K: [[1]]}")
+    with pytest.raises(ValueError, match="gives Q and K directly, without V"):
         run(ex)
 
 

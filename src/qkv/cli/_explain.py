@@ -277,16 +277,19 @@ def _decode(args: argparse.Namespace) -> None:
 
 
 def _query_of(example: Any, query: str) -> str:
-    """``--query``: a token of the example, or a position (negative counts from the end)."""
-    if query not in example.tokens and _POSITION.fullmatch(query):
-        count = len(example.tokens)
+    """``--query``: a token of the example, or a position (negative counts from the end);
+    with Lq ≠ Lk (Q, K and V given), a query token or a position among the queries."""
+    named = example.queries_named
+    if query not in named and _POSITION.fullmatch(query):
+        count = len(named)
         position = int(query)
         if not -count <= position < count:
-            tokens = ", ".join(f"{i} {t}" for i, t in enumerate(example.tokens[:20]))
+            tokens = ", ".join(f"{i} {t}" for i, t in enumerate(named[:20]))
             raise CommandError(
                 f"--query {query}: expected a token or a position from 0 to {count - 1} (or "
                 f"from -{count} to -1, counted from the end), got {position}. Hint: the "
-                f"tokens are {tokens}" + (", ..." if count > 20 else "")
+                f"{'query ' if example.query_tokens else ''}tokens are {tokens}"
+                + (", ..." if count > 20 else "")
             )
         return str(position % count)
     return query

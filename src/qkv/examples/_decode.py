@@ -95,7 +95,8 @@ def decode_step(
 
     Raises:
         ValueError: an unknown or out-of-range ``query``, ``heads`` that does not divide
-            the columns of W_q, W_k and W_v, or a ``scale`` that is not positive.
+            the columns of W_q, W_k and W_v, or a ``scale`` that is not positive; an
+            example that gives Q, K and V (or scores) instead of embeddings and weights.
 
     Example:
         >>> from qkv.examples import builtin
@@ -105,6 +106,12 @@ def decode_step(
         >>> step.context_difference < 1e-15
         True
     """
+    if example.inputs != "embeddings":  # its q, k and v are x·W of each token
+        raise ValueError(
+            "a decoding step computes each token's q, k and v from its embedding and the "
+            "weights; this example gives its vectors directly. Hint: qkv explain --example "
+            "FILE shows its steps; decode a built-in, e.g. qkv explain --decode"
+        )
     position = len(example.tokens) - 1 if query is None else _query(example, query)
     count = example.heads if heads is None else heads
     width_k, width_v = int(example.W_k.shape[1]), int(example.W_v.shape[1])

@@ -8,6 +8,7 @@ import numpy as np
 
 from qkv.attention import multi_head_attention
 from qkv.examples._model import Example
+from qkv.examples._run_given import run_given
 from qkv.examples._tokens import TokenRefError, token_index
 from qkv.trace import Trace
 
@@ -29,16 +30,22 @@ def run(
     and, for several heads or a ``W_o``, ``concat`` and ``output``; for each query all L rows
     are computed, ``meta["queries"]`` says which to show.
 
+    An example that gives Q (Lq, H·D), K (Lk, H·D) and V (Lk, H·Dv) directly (format 2)
+    runs ``qkv.scaled_dot_product_attention`` on them, split into heads, with the same
+    steps from ``Q`` on (no embeddings or projections); its keys are ``tokens`` and its
+    queries ``query_tokens`` when Lq ≠ Lk (``trace.query_tokens``).
+
     Args:
         example: the worked example.
         query: show only this query: a token's text or its 0-based position (a text of
-            digits that is no token is read as a position). Default: the example's queries.
+            digits that is no token is read as a position; with Lq ≠ Lk, among the query
+            tokens). Default: the example's queries.
         scale: True divides the scores by √d_k, False does not scale, a number multiplies
             the scores. Default: the example's.
         causal: each token attends only to itself and the tokens before it. Default: the
             example's.
-        heads: the number of heads; it must divide the columns of W_q, W_k and W_v. Default:
-            the example's.
+        heads: the number of heads; it must divide the columns of W_q, W_k and W_v (of Q, K
+            and V when they are given). Default: the example's.
         trace: the trace to record into; a new one by default.
 
     Returns:
@@ -49,7 +56,8 @@ def run(
 
     Raises:
         ValueError: an unknown, ambiguous or out-of-range ``query``; ``heads`` that does not
-            divide d_k; a ``scale`` that is not positive.
+            divide d_k; a ``scale`` that is not positive; an example given by Q and K only or
+            by its scores (it has no V).
 
     Example:
         >>> from qkv.examples import builtin
@@ -57,11 +65,11 @@ def run(
         >>> t.meta["queries"], t["weights"].select()[1].round(4)
         ([1], array([0.3046, 0.3387, 0.3567]))
     """
-    if example.inputs != "embeddings":
+    if example.inputs not in ("embeddings", "qkv"):
         raise ValueError(
-            f"this example gives {_GIVEN[example.inputs]} directly, without embeddings and "
-            "weights; run() and qkv explain need embeddings and weights. Hint: qkv check "
-            "checks such an example"
+            f"this example gives {_GIVEN[example.inputs]} directly, without V; run() and qkv "
+            "explain need embeddings and weights, or Q, K and V. Hint: qkv check checks such "
+            "an example"
         )
     num_heads = _heads(example, example.heads if heads is None else heads)
     scale = example.scale if scale is None else scale
@@ -70,20 +78,31 @@ def run(
         raise TypeError(f"causal must be True or False, got {causal!r}")
     queries = example.queries if query is None else (_query(example, query),)
     trace = Trace() if trace is None else trace
-    multi_head_attention(
-        example.embeddings,
-        example.W_q,
-        example.W_k,
-        example.W_v,
-        example.W_o,
-        num_heads=num_heads,
-        mask=allowed_keys(example),
-        is_causal=causal,
-        causal_alignment="bottom-right" if example.alignment == "bottom-right" else "top-left",
-        scale=_scale_factor(scale),
-        trace=trace,
-    )
+    if example.inputs == "qkv":
+        run_given(
+            example,
+            heads=num_heads,
+            scale=_scale_factor(scale),
+            causal=causal,
+            mask=allowed_keys(example),
+            trace=trace,
+        )
+    else:
+        multi_head_attention(
+            example.embeddings,
+            example.W_q,
+            example.W_k,
+            example.W_v,
+            example.W_o,
+            num_heads=num_heads,
+            mask=allowed_keys(example),
+            is_causal=causal,
+            causal_alignment="bottom-right" if example.alignment == "bottom-right" else "top-left",
+            scale=_scale_factor(scale),
+            trace=trace,
+        )
     trace.tokens = list(example.tokens)
+    trace.query_tokens = None if example.query_tokens is None else list(example.query_tokens)
     trace.meta["name"] = example.name
     trace.meta["description"] = example.description
     trace.meta["example"] = example.slug or example.source
@@ -92,7 +111,7 @@ def run(
     return trace
 
 
-_GIVEN = {"qkv": "Q, K and V", "qk": "Q and K", "scores": "its scores"}
+_GIVEN = {"qk": "Q and K", "scores": "its scores"}
 
 
 def allowed_keys(example: Example) -> np.ndarray | None:
@@ -136,9 +155,10 @@ def _heads(example: Example, heads: int) -> int:
     d_k, d_v = example.W_q.shape[1], example.W_v.shape[1]
     valid = [h for h in range(1, d_k + 1) if d_k % h == 0 and d_v % h == 0]
     if isinstance(heads, bool) or not isinstance(heads, int) or heads not in valid:
+        q_k, v = ("Q and K", "V") if example.inputs == "qkv" else ("W_q and W_k", "W_v")
         raise ValueError(
-            f"heads must divide d_k = {d_k} (the columns of W_q and W_k) and d_v = {d_v} "
-            f"(the columns of W_v); got {heads!r}. Hint: this example can run with heads = "
+            f"heads must divide d_k = {d_k} (the columns of {q_k}) and d_v = {d_v} "
+            f"(the columns of {v}); got {heads!r}. Hint: this example can run with heads = "
             + ", ".join(map(str, valid))
         )
     return heads
@@ -150,6 +170,6 @@ def _query(example: Example, query: str | int) -> int:
             f"query must be a token (its text or 0-based position), got {type(query).__name__}"
         )
     try:
-        return token_index(query, example.tokens)
+        return token_index(query, example.queries_named)
     except TokenRefError as error:
         raise ValueError(f"query: {error.problem}. Hint: {error.hint}") from None

@@ -128,12 +128,17 @@ def practice_data(example: Example, *, precision: int = 4) -> dict[str, Any]:
             "pages are for examples worked by hand. Hint: pick a smaller example "
             "(qkv examples)"
         )
-    if example.inputs not in ("embeddings", "qkv") or example.query_tokens is not None:
+    if example.inputs not in ("embeddings", "qkv"):
         raise ValueError(
-            "a practice page starts from embeddings and weights, or from Q, K and V, with one "
-            f"query per token; this example starts from {_STARTS.get(example.inputs, 'its inputs')}"
-            + (" and has queries of its own" if example.query_tokens is not None else "")
-            + ". Hint: give Q, K and V (or embeddings and weights) for the same tokens"
+            "a practice page starts from embeddings and weights, or from Q, K and V; this "
+            f"example starts from {_STARTS.get(example.inputs, 'its inputs')}. Hint: give Q, "
+            "K and V (or embeddings and weights)"
+        )
+    if example.query_tokens is not None:
+        raise ValueError(
+            "a practice page has one query per token; this example has queries of its own "
+            f"(query_tokens: {len(example.query_tokens)} queries, {length} keys). Hint: give "
+            "Q, K and V for the same tokens; qkv explain --example FILE shows its steps"
         )
     # Judged by the newest rules of qkv check (format 2): every slip it knows.
     example = dataclasses.replace(
