@@ -176,6 +176,7 @@ def test_a_trace_the_page_cannot_recompute_has_no_edit_mode(tab: Tab, tmp_path: 
     assert tab.problems() == []
 
 
+@pytest.mark.solo
 def test_512_tokens_recompute_an_edit_in_under_100_ms(tab: Tab, tmp_path: Path) -> None:
     rng = np.random.default_rng(512)
     x = rng.normal(size=(512, 16))
@@ -189,16 +190,19 @@ def test_512_tokens_recompute_an_edit_in_under_100_ms(tab: Tab, tmp_path: Path) 
     built = time.monotonic() - started
     tab.open(path)
     tab.js("document.getElementById('qkv-edit').click()")
-    timings = []
-    for value in ("0.9", "-1.3", "0.5", "2", "-0.4", "1.1", "0.25"):
-        timings.append(
-            tab.js(
-                "(() => { const e = document.querySelector(\"input[data-edit='W_q:0:0:3']\");"
-                f" e.focus(); e.value = {json.dumps(value)}; const t0 = performance.now();"
-                " e.dispatchEvent(new Event('input')); void document.body.offsetHeight;"
-                " return performance.now() - t0; })()"
-            )
+
+    def edit(value: str) -> float:
+        took: float = tab.js(
+            "(() => { const e = document.querySelector(\"input[data-edit='W_q:0:0:3']\");"
+            f" e.focus(); e.value = {json.dumps(value)}; const t0 = performance.now();"
+            " e.dispatchEvent(new Event('input')); void document.body.offsetHeight;"
+            " return performance.now() - t0; })()"
         )
+        return took
+
+    for value in ("0.7", "-0.2", "1.4"):  # the first edits also compile the page's script
+        edit(value)
+    timings = [edit(value) for value in ("0.9", "-1.3", "0.5", "2", "-0.4", "1.1", "0.25")]
     w_q[0, 3] = 0.25
     _, weights = qkv.multi_head_attention(
         x, w_q, w_k, w_v, w_o, num_heads=2, return_weights=True, backend="reference"
@@ -209,8 +213,9 @@ def test_512_tokens_recompute_an_edit_in_under_100_ms(tab: Tab, tmp_path: Path) 
     typical = sorted(timings)[len(timings) // 2]
     print(f"512 tokens: page built in {built:.2f} s; edits recomputed and laid out in " + ", ".join(
         f"{t:.1f}" for t in timings) + f" ms (median {typical:.1f})")  # fmt: skip
-    # The median of seven edits: the first ones also compile the page's script, and one slow
-    # edit on a busy machine says little about the page.
+    # The median of seven edits after three untimed ones (which also compile the script): one
+    # slow edit on a busy machine says little about the page. `make test` runs this test
+    # alone (marker `solo`), so no other test takes Chromium's core.
     assert typical < 100, timings
 
 
