@@ -14,7 +14,11 @@ waste less area, a dense one larger blocks with fewer calls.
 
 from __future__ import annotations
 
+import threading
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -107,7 +111,49 @@ def plan_blocks(
         skip: False to compute every block (the mask is then evaluated everywhere); the
             result is bit-identical, only slower.
         dense_mask: a boolean array is given as well: no block is known to be full.
+
+    Plans are kept for the last :data:`_PLANS_KEPT` (mask, shape) pairs: a model calls the
+    kernel with the same mask object and shapes in every layer and step, and the plan
+    (three candidate block sizes, each the mask's structure over every block) cost about
+    0.5 ms, 2 % of a 16-document call at N = 4,096. The kept arrays are read-only.
     """
+    args = (batch, heads, q_len, kv_len, heads_per_kv, block_q, block_kv, skip, dense_mask)
+    key = (None if rule is None else id(rule), *args)
+    with _plans_lock:
+        kept = _plans.get(key)
+        if kept is not None and kept[0]() is rule:
+            _plans.move_to_end(key)
+            return kept[1]
+    plan = _choose(rule, *args)
+    for array in (plan.kinds, plan.structure):
+        if array is not None:
+            array.setflags(write=False)
+    with _plans_lock:
+        # A dead rule's id may be reused by a new one: the weak reference tells them apart.
+        _plans[key] = ((lambda: None) if rule is None else weakref.ref(rule), plan)
+        while len(_plans) > _PLANS_KEPT:
+            _plans.popitem(last=False)
+    return plan
+
+
+_PLANS_KEPT = 64
+_plans: OrderedDict[tuple[Any, ...], tuple[Any, BlockPlan]] = OrderedDict()
+_plans_lock = threading.Lock()
+
+
+def _choose(
+    rule: Mask | None,
+    batch: int,
+    heads: int,
+    q_len: int,
+    kv_len: int,
+    heads_per_kv: int,
+    block_q: int | None,
+    block_kv: int | None,
+    skip: bool,
+    dense_mask: bool,
+) -> BlockPlan:
+    """The plan of :func:`plan_blocks`, computed."""
     if block_q is not None or block_kv is not None or rule is None or not rule.knows_blocks:
         bq = block_q or _default_rows(heads_per_kv)
         bk = block_kv or DEFAULT_BLOCK

@@ -250,8 +250,8 @@ class BlockScores:
     Attributes:
         values: (Bg·Hkv, G·bq, bk) scaled, biased, modified and masked scores.
         shape4: (Bg, H, bq, bk), the layout masks and modifiers see.
-        ones: 1 where allowed and 0 where masked, broadcastable to ``shape4``; None when the
-            whole block is allowed.
+        allowed: True where allowed, broadcastable to ``shape4``; None when the whole block
+            is allowed.
         raw: the scores before the score modifier, when its gradient is needed.
         blocked: a score may be −inf where the mask allows it (``Problem.blocked_scores``).
     """
@@ -259,7 +259,7 @@ class BlockScores:
     values: torch.Tensor
     shape4: tuple[int, int, int, int]
     base2: bool
-    ones: torch.Tensor | None = None
+    allowed: torch.Tensor | None = None
     raw: torch.Tensor | None = None
     blocked: bool = False
 
@@ -292,8 +292,8 @@ class BlockScores:
         if floor is not None:
             x.clamp_(min=floor)
         weights = x.exp2_() if self.base2 else x.exp_()
-        if floor is not None and self.ones is not None:
-            weights.view(self.shape4).mul_(self.ones)
+        if floor is not None and self.allowed is not None:
+            weights.view(self.shape4).mul_(self.allowed)
         if dead is not None:
             weights.masked_fill_(dead, 0.0)
         return weights
@@ -323,11 +323,11 @@ def block_scores(
     if kind != FULL:
         allowed = _allowed(problem, group, index, q0, q1, k0, k1)
         if allowed is not None and problem.skip:
-            if not bool(allowed.any()):
+            count = int(allowed.sum())  # one pass and one wait, for "none" and "all"
+            if count == 0:
                 return None
-            if bool(allowed.all()):
+            if count == allowed.numel():
                 allowed = None
-    ones = None if allowed is None else allowed.to(out.dtype)  # 1 allowed, 0 masked
     scores = torch.bmm(q_block, group.keys_t(k0, k1), out=out)
     view = scores.view(shape4)  # h = kv_head · G + g
     if group.bias is not None:
@@ -344,13 +344,13 @@ def block_scores(
             if allowed is not None:
                 modified = modified.masked_fill(allowed.logical_not(), NEG_INF)
             values = modified.reshape(scores.shape)
-        return BlockScores(values, shape4, problem.base2, ones, raw, problem.blocked_scores)
-    if allowed is not None and ones is not None:
+        return BlockScores(values, shape4, problem.base2, allowed, raw, problem.blocked_scores)
+    if allowed is not None:
         if problem.exact_masking:  # a masked score may be NaN: overwrite it
             view.masked_fill_(allowed.logical_not(), NEG_INF)
         else:  # adding 0 / −inf is many times faster than masked_fill on CPUs
-            view.add_((ones - 1).div_(ones))
-    return BlockScores(scores, shape4, problem.base2, ones, blocked=problem.blocked_scores)
+            view.add_(torch.where(allowed, 0.0, NEG_INF))
+    return BlockScores(scores, shape4, problem.base2, allowed, blocked=problem.blocked_scores)
 
 
 def dropout_block(

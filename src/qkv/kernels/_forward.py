@@ -77,13 +77,16 @@ def attention_forward(
                 q1: int = q1,
                 keys: list[tuple[int, int, int]] = keys,
             ) -> None:
-                context, row_lse, row_max = _forward_rows(
-                    problem, group, index, values, hits, q0, q1, keys, buffers
-                )
                 rows_out = grouped_out[g, :, :, q0:q1]
-                rows_out.copy_(context.view(rows_out.shape))
                 rows_lse = grouped_lse[g, :, :, q0:q1]
-                rows_lse.copy_(row_lse.view(rows_lse.shape))
+                dest = (rows_out, rows_lse)
+                context, row_lse, row_max = _forward_rows(
+                    problem, group, index, values, hits, q0, q1, keys, buffers, dest
+                )
+                if context is not rows_out:
+                    rows_out.copy_(context.view(rows_out.shape))
+                if row_lse is not rows_lse:
+                    rows_lse.copy_(row_lse.view(rows_lse.shape))
                 if grouped_max is not None and row_max is not None:
                     rows_max = grouped_max[g, :, :, q0:q1]
                     rows_max.copy_(row_max.view(rows_max.shape))
@@ -105,16 +108,19 @@ def _forward_rows(
     q1: int,
     keys: list[tuple[int, int, int]],
     buffers: Buffers,
+    dest: tuple[torch.Tensor, torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One query block against its key blocks: (context, lse, None) rows (Bg·Hkv, G·bq, ·);
-    for a ``huge`` bias (context, log l, m).
+    for a ``huge`` bias (context, log l, m). ``dest`` is the block's rows of the output and
+    of the lse, (Bg, Hkv, G, bq, Dv) and (Bg, Hkv, G, bq): the context, and the lse when it
+    can be, are written there and returned as those tensors (no copy).
 
     First with the shift fixed at 0 (:func:`_accumulate`), which fails only for rows whose
     scores are far from 0 (or masked whole); those blocks run again with the running max.
     """
     kv_heads = group.k.shape[1]
     q_block = query_block(group.q, kv_heads, q0, q1, problem.scale * problem.units)
-    block = (group, index, values, q_block, q0, q1, keys, buffers)
+    block = (group, index, values, q_block, q0, q1, keys, buffers, dest)
     if hits is None:  # non-finite values need the weights of every allowed key positive
         found = _accumulate(problem, *block, None, running_max=False)
         if found is not None:
@@ -134,6 +140,7 @@ def _accumulate(
     q1: int,
     keys: list[tuple[int, int, int]],
     buffers: Buffers,
+    dest: tuple[torch.Tensor, torch.Tensor],
     hits: torch.Tensor | None,
     *,
     running_max: bool,
@@ -151,8 +158,7 @@ def _accumulate(
     """
     rows = q_block.shape[1]
     like = q_block
-    start = NEG_INF if running_max else 0.0
-    row_max = torch.full((group.rows, rows, 1), start, dtype=like.dtype, device=like.device)
+    row_max = torch.full((group.rows, rows, 1), NEG_INF, dtype=like.dtype, device=like.device)
     row_sum = torch.zeros((group.rows, rows, 1), dtype=like.dtype, device=like.device)
     acc = torch.zeros((group.rows, rows, values.shape[3]), dtype=like.dtype, device=like.device)
     reach = None if hits is None else acc.new_zeros((group.rows, rows, hits.shape[3]))
@@ -190,32 +196,46 @@ def _accumulate(
             acc.baddbmm_(scores, group.values(values, k0, k1))
         if reach is not None and hits is not None:
             reach.baddbmm_((scores > 0).to(scores.dtype), kv_block(hits, k0, k1))
+    dest_out, dest_lse = dest
     if not running_max:
-        in_range = (row_sum >= _LEAST) & (row_sum <= _MOST)
+        low, high = torch.aminmax(row_sum)
         # A sum over acc is finite if acc is (one pass, unlike isfinite); if it overflows,
-        # the running max merely runs needlessly.
-        if not bool(in_range.all()) or not math.isfinite(float(acc.sum())):
+        # the running max merely runs needlessly. NaN fails every comparison.
+        if not (float(low) >= _LEAST and float(high) <= _MOST):
             return None
-    if running_max:
-        # A row whose scores are all −inf (a −inf bias on every allowed key): its weights
-        # are 0, as in the reference (exp of the floor left them tiny but positive).
-        dead = row_max == NEG_INF
-        row_sum.masked_fill_(dead, 0.0)
-        acc.masked_fill_(dead, 0.0)
-        if reach is not None:
-            reach.masked_fill_(dead, 0.0)
-    empty = row_sum == 0
-    context = acc / row_sum.masked_fill(empty, 1.0)
+        if not math.isfinite(float(acc.sum())):
+            return None
+        # m = 0: the weights were e^s (2^(s·log2 e) in log2 units), so lse = ln l; l ≥ 2⁻⁶⁰.
+        context = _divide(acc, row_sum, dest_out, reach)
+        log_sum = torch.log(row_sum.view(dest_lse.shape), out=dest_lse)
+        return context, log_sum, (torch.zeros_like(log_sum) if problem.huge else None)
+    # A row whose scores are all −inf (a −inf bias on every allowed key): its weights are 0,
+    # as in the reference (exp of the floor left them tiny but positive).
+    dead = row_max == NEG_INF
+    row_sum.masked_fill_(dead, 0.0)
+    acc.masked_fill_(dead, 0.0)
     if reach is not None:
-        context = put_back_nonfinite(context, reach)
+        reach.masked_fill_(dead, 0.0)
+    context = _divide(acc, row_sum.masked_fill(row_sum == 0, 1.0), dest_out, reach)
     if problem.huge:  # natural units; m apart from log l (m + log l would lose log l)
-        kept = row_max.masked_fill(row_max == NEG_INF, 0.0) if running_max else row_max
+        kept = row_max.masked_fill(dead, 0.0)
         return context, torch.log(row_sum).squeeze(-1), kept.squeeze(-1)
     if problem.base2:  # back to natural units
         row_lse = ((row_max + torch.log2(row_sum)) * LN2).squeeze(-1)
     else:
         row_lse = (row_max + torch.log(row_sum)).squeeze(-1)
     return context, row_lse, None
+
+
+def _divide(
+    acc: torch.Tensor, row_sum: torch.Tensor, dest: torch.Tensor, reach: torch.Tensor | None
+) -> torch.Tensor:
+    """acc / l, (Bg·Hkv, G·bq, Dv) by (Bg·Hkv, G·bq, 1): straight into ``dest``, the block's
+    rows of the output (Bg, Hkv, G, bq, Dv), unless non-finite values are put back."""
+    if reach is not None:
+        return put_back_nonfinite(acc / row_sum, reach)
+    shape = (*dest.shape[:-1], 1)
+    return torch.div(acc.view(dest.shape), row_sum.view(shape), out=dest)
 
 
 _LEAST = 2.0**-60
