@@ -29,7 +29,6 @@ from qkv.kernels._blockwise import (
     finite_or_zero,
     kv_block,
     nonfinite,
-    query_block,
     row_block,
     split_groups,
 )
@@ -68,8 +67,8 @@ def attention_backward(
         delta = delta - grad_lse
     # A fully masked row has lse = −inf: shift by +inf so that exp(−inf − inf) = 0.
     safe_lse = lse.masked_fill(lse == NEG_INF, math.inf) * problem.units
-    dk = torch.zeros_like(k)
-    dv = torch.zeros_like(v)
+    dk = torch.empty_like(k)  # every key block's task writes its rows (zeros if none)
+    dv = torch.empty_like(v)
     shared_bias_grad = None
     if need_bias_grad and bias is not None:
         shared_bias_grad = torch.zeros(bias.shape, dtype=q.dtype, device=q.device)
@@ -96,7 +95,9 @@ def attention_backward(
         index = Indices(group, heads, q_len, kv_len)
         g = slice(group.start, group.start + group.q.shape[0])
         values = v[g] if special is None else special.clean[g]
-        rows = _RowData(grad_out[g], safe_lse[g], delta[g])
+        # The queries scaled once (each query block meets every key block).
+        scaled = torch.mul(group.q, problem.scale * problem.units)
+        rows = _RowData(grad_out[g], safe_lse[g], delta[g], scaled)
         for k0, k1, queries in columns_of(group.kinds, problem.plan, q_len, kv_len, group):
 
             def task(
@@ -152,11 +153,13 @@ class _Scratch:
 
 @dataclass
 class _RowData:
-    """Per-row tensors of one group: dO (Bg, H, Lq, Dv), lse and Δ (Bg, H, Lq)."""
+    """Per-row tensors of one group: dO (Bg, H, Lq, Dv), lse and Δ (Bg, H, Lq), and the
+    queries times the scale (and log2 e), (Bg, H, Lq, D)."""
 
     grad_out: torch.Tensor
     lse: torch.Tensor
     delta: torch.Tensor
+    scaled_q: torch.Tensor
 
 
 def _backward_column(
@@ -183,7 +186,7 @@ def _backward_column(
     )
     for q0, q1, kind in queries:
         block = (q0, q1, k0, k1)
-        q_block = query_block(group.q, kv_heads, q0, q1, problem.scale * problem.units)
+        q_block = row_block(rows.scaled_q, kv_heads, q0, q1)  # a view unless GQA
         d_out = row_block(rows.grad_out, kv_heads, q0, q1)  # (Bg·Hkv, G·bq, Dv)
         row_lse = row_block(rows.lse, kv_heads, q0, q1).unsqueeze(-1)
         row_delta = row_block(rows.delta, kv_heads, q0, q1).unsqueeze(-1)
@@ -232,9 +235,13 @@ def _backward_column(
             d_scores = d_raw.reshape(d_scores.shape)
         if scratch.dbias is not None:
             _add_bias_grad(scratch.dbias, d_scores, group, block, heads)
-        d_query = torch.bmm(d_scores, k_block).mul_(problem.scale)  # (Bg·Hkv, G·bq, D)
-        target = grouped_dq[:, :, :, q0:q1]
-        target.add_(d_query.view(target.shape))
+        target = grouped_dq[:, :, :, q0:q1]  # dQ += dS·K · scale, (Bg·Hkv, G·bq, D)
+        if target.shape[2] == 1:  # one query head per key head: a view, added in place
+            target.view(d_scores.shape[0], -1, target.shape[4]).baddbmm_(
+                d_scores, k_block, alpha=problem.scale
+            )
+        else:
+            target.add_(torch.bmm(d_scores, k_block).mul_(problem.scale).view(target.shape))
         d_key.baddbmm_(d_scores.transpose(1, 2), q_block)
     return d_key, d_value
 
