@@ -8,6 +8,8 @@
   the tiled kernel, with a CPU backward.
 - :func:`sdpa_attention`: ``torch.nn.functional.scaled_dot_product_attention`` given qkv's
   masks and policies.
+- :func:`set_thread_mode`: how the tiled kernel uses several threads (PyTorch's own, or a
+  pool of its own for machines busy with other work).
 
 Most code calls them through :func:`qkv.scaled_dot_product_attention` with
 ``backend="tiled"``, ``"sdpa"`` or ``"auto"``, which checks the arguments and explains its
@@ -18,6 +20,7 @@ choice (:func:`qkv.explain_dispatch`). This package needs PyTorch (``pip install
 from qkv.kernels._api import as_score_mod, huge_bias, tiled_attention
 from qkv.kernels._blocks import BlockPlan, plan_blocks
 from qkv.kernels._flex import flex_attention
+from qkv.kernels._threads import get_thread_mode, set_thread_mode
 from qkv.kernels._torch_sdpa import dense_mask_elements, sdpa_attention
 
 __all__ = [
@@ -25,8 +28,10 @@ __all__ = [
     "as_score_mod",
     "dense_mask_elements",
     "flex_attention",
+    "get_thread_mode",
     "huge_bias",
     "plan_blocks",
     "sdpa_attention",
+    "set_thread_mode",
     "tiled_attention",
 ]

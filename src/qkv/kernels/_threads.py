@@ -1,33 +1,104 @@
-"""Run the kernel's blocks on several threads, each doing PyTorch operations on one core.
+"""How the tiled kernel uses several threads: PyTorch's own (the default), or a pool of its own.
 
-PyTorch parallelises every operation on a large tensor across its threads, with a fork and a
-join per operation; the tiled kernel makes six to a dozen operations per block, so that
-synchronisation would be paid thousands of times per call (and much worse on a busy machine,
-where a join waits for a thread the system has paused). Instead, as PyTorch's own fused CPU
-kernel does, the kernel hands out whole blocks: T threads (T = ``torch.get_num_threads()``)
-each take the next task, and run its operations on one core (an OpenMP setting of that
-thread only, restored for the caller when the call ends). Each thread keeps its own
-scratch state (score buffers, partial sums), so tasks never write to the same memory.
+``"torch"`` (the default): the kernel's operations run in the calling thread, and each large
+one is spread over PyTorch's OpenMP threads (``torch.get_num_threads()``), as every PyTorch
+operation is. Inside a model, attention follows other operations (the projections' matrix
+products) whose OpenMP threads stay awake, spinning, for some milliseconds after them; the
+kernel's operations find them ready.
 
-The caller's own operations around the tasks (input checks, the plan, the sums of the
-backward pass) also run on one core, inside :func:`caller_on_one_core`: they are small, and
-handing them to PyTorch's OpenMP threads, idle while the blocks ran, costs a wake-up that
-was measured at 2 to 12 ms on a busy 2-core virtual machine, more than the operations.
+``"pool"``: T threads of the kernel's own (T = ``torch.get_num_threads()``) each take whole
+query (or key) blocks and run their operations on one core, with one join per call instead
+of one per operation. It is faster on a machine whose cores are busy with other work: there
+every join of an OpenMP operation waits for a thread the system has paused, and the kernel
+makes a few dozen such operations per call (measured 1.2 to 4 times faster than "torch" on
+2 cores with one other busy process). On an otherwise idle machine it is slower right after
+an OpenMP operation, whose spinning threads then compete with the pool's for the cores
+(measured up to 1.5 times slower at N = 1,024). Each pool thread keeps its own scratch state
+(score buffers, partial sums), so tasks never write to the same memory, and the caller's own
+operations around the tasks run on one core (:func:`caller_on_one_core`).
+
+Choose with :func:`set_thread_mode`, or the environment variable ``QKV_THREAD_MODE`` (read at
+import). Both run the same operations on the same blocks: the forward's numbers are the same
+to the bit; the backward adds the key blocks' shares of dQ in another order (T partial sums
+in the pool), so dQ may differ in its last bits.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Generic, TypeVar
+from typing import Generic, Literal, TypeVar
 
 import torch
 
-__all__ = ["caller_on_one_core", "run_tasks", "task_threads"]
+__all__ = [
+    "ThreadMode",
+    "caller_on_one_core",
+    "get_thread_mode",
+    "run_tasks",
+    "set_thread_mode",
+    "task_threads",
+]
 
 State = TypeVar("State")
+ThreadMode = Literal["torch", "pool"]
+_MODES: tuple[ThreadMode, ...] = ("torch", "pool")
+
+
+def _mode_from_environment() -> ThreadMode:
+    value = os.environ.get("QKV_THREAD_MODE", "torch").strip().lower() or "torch"
+    for mode in _MODES:
+        if value == mode:
+            return mode
+    warnings.warn(
+        f"QKV_THREAD_MODE must be 'torch' or 'pool', got {value!r}; using 'torch'. Hint: "
+        "unset it, or QKV_THREAD_MODE=pool on a machine busy with other work.",
+        stacklevel=2,
+    )
+    return "torch"
+
+
+_mode: list[ThreadMode] = [_mode_from_environment()]
+
+
+def get_thread_mode() -> ThreadMode:
+    """How the tiled kernel uses several threads now: ``"torch"`` or ``"pool"``.
+
+    Example:
+        >>> get_thread_mode() in ("torch", "pool")
+        True
+    """
+    return _mode[0]
+
+
+def set_thread_mode(mode: ThreadMode) -> ThreadMode:
+    """Choose how the tiled kernel uses ``torch.get_num_threads()`` threads, for the whole
+    process; returns the mode it had.
+
+    ``"torch"`` (the default) spreads each operation over PyTorch's OpenMP threads, like any
+    PyTorch operation: the fastest on a machine that runs nothing else. ``"pool"`` gives
+    whole blocks to threads of the kernel's own, each on one core: the faster choice on a
+    machine whose cores are shared with other busy processes. See the module's docstring.
+
+    Example:
+        >>> old = set_thread_mode("pool")
+        >>> get_thread_mode()
+        'pool'
+        >>> _ = set_thread_mode(old)
+    """
+    if mode not in _MODES:
+        raise ValueError(
+            f"set_thread_mode: mode must be 'torch' or 'pool', got {mode!r}. Hint: 'torch' "
+            "on an otherwise idle machine, 'pool' when other work shares the cores."
+        )
+    previous = _mode[0]
+    _mode[0] = mode
+    return previous
+
 
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
@@ -36,13 +107,16 @@ _caller = threading.local()  # .threads: the caller's thread count inside caller
 
 @contextlib.contextmanager
 def caller_on_one_core(on_cpu: bool = True) -> Iterator[None]:
-    """Run the calling thread's PyTorch operations on one core until the block ends (its
-    thread count is restored then); :func:`run_tasks` still uses the caller's count.
+    """In the ``"pool"`` mode, run the calling thread's PyTorch operations on one core until
+    the block ends (its thread count is restored then); :func:`run_tasks` still uses the
+    caller's count.
 
-    Nested uses keep the outermost count. Off the CPU, nothing changes.
+    Nested uses keep the outermost count. In the ``"torch"`` mode, or off the CPU, nothing
+    changes.
     """
     threads = torch.get_num_threads()
-    if not on_cpu or threads <= 1 or getattr(_caller, "threads", None) is not None:
+    nested = getattr(_caller, "threads", None) is not None
+    if _mode[0] == "torch" or not on_cpu or threads <= 1 or nested:
         yield
         return
     _caller.threads = threads
@@ -99,15 +173,16 @@ def run_tasks(
 ) -> list[State]:
     """Run every task once, each given its thread's state; return the states made.
 
-    With one thread (or one task), or tensors on an accelerator (whose operations are
-    queued, not run, by the calling thread), everything runs in the caller's thread.
+    In the ``"torch"`` mode, with one thread (or one task), or with tensors on an
+    accelerator (whose operations are queued, not run, by the calling thread), everything
+    runs in the caller's thread, in order.
 
     Tasks go to whichever thread is free, unless ``in_order``: thread t then runs tasks t,
     t + T, t + 2T, ... in this order, and the states come back in thread order, so that sums
     over the states are the same, bit for bit, from one call to the next.
     """
     threads = task_threads() if threads is None else threads
-    if threads <= 1 or len(tasks) <= 1 or not on_cpu:
+    if _mode[0] == "torch" or threads <= 1 or len(tasks) <= 1 or not on_cpu:
         state = make_state()
         for task in tasks:
             task(state)
