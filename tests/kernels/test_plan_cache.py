@@ -1,16 +1,18 @@
-"""The block plan is kept per (mask object, shape): a model calls the kernel with the same
-mask in every layer, and must never get another mask's plan."""
+"""The block plan and the masks of partial blocks are kept per (mask object, shape): a model
+calls the kernel with the same mask in every layer, and must never get another mask's plan."""
 
 from __future__ import annotations
 
 import gc
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 
-from qkv.kernels import plan_blocks, tiled_attention
-from qkv.masks import EMPTY, causal, sliding_window
+import qkv
+from qkv.kernels import _blockwise, plan_blocks, tiled_attention
+from qkv.masks import EMPTY, Mask, causal, from_function, key_padding, sliding_window, with_causal
 
 
 def _plan(rule: object, length: int = 512) -> object:
@@ -47,3 +49,60 @@ def test_results_are_the_same_with_a_kept_plan() -> None:
     reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert torch.equal(first, second)
     torch.testing.assert_close(second, reference, rtol=0, atol=1e-12)
+
+
+def _counting_rule(calls: list[int]) -> Mask:
+    def rule(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return (q - kv) % 5 != 1  # every block partial: the rule runs on each one
+
+    return from_function(rule, "counted")
+
+
+def test_a_partial_blocks_mask_is_evaluated_once_for_the_same_mask_and_shape() -> None:
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 200, 8, generator=generator, dtype=torch.float64) for _ in "qkv")
+    calls: list[int] = []
+    rule = _counting_rule(calls)
+    first = tiled_attention(q, k, v, mask=rule)
+    evaluated = len(calls)
+    assert evaluated > 0
+    second = tiled_attention(q, k, v, mask=rule)
+    assert len(calls) == evaluated  # kept: no evaluation on the second call
+    assert torch.equal(first, second)
+    reference = qkv.scaled_dot_product_attention(q, k, v, mask=rule, backend="reference")
+    torch.testing.assert_close(second, reference, rtol=0, atol=1e-12)
+
+
+def test_a_boolean_array_given_with_the_call_is_read_on_every_call() -> None:
+    # The same shape and the same causal rule, two different arrays: nothing kept may leak.
+    generator = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 200, 8, generator=generator, dtype=torch.float64) for _ in "qkv")
+    for _ in range(2):
+        allowed = torch.rand(1, 1, 200, 200, generator=generator) > 0.5
+        fast = tiled_attention(q, k, v, mask=allowed, is_causal=True)
+        exact = qkv.scaled_dot_product_attention(
+            q, k, v, mask=allowed, is_causal=True, backend="reference"
+        )
+        torch.testing.assert_close(fast, exact, rtol=0, atol=1e-12)
+
+
+def test_kept_masks_stay_within_their_budget_and_the_results_do_not_change() -> None:
+    generator = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 300, 8, generator=generator, dtype=torch.float64) for _ in "qkv")
+    small = _blockwise._KeptMasks(budget=64 << 10)
+    with mock.patch.object(_blockwise, "_kept_masks", small):
+        rule = _counting_rule([])
+        outs = [tiled_attention(q, k, v, mask=rule) for _ in range(3)]
+        assert small._bytes <= 64 << 10
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
+
+
+def test_is_causal_gives_the_same_rule_object_on_every_call() -> None:
+    # The kept plan and masks depend on it: a new causal rule per call would never match.
+    padding = key_padding([5, 9])
+    assert with_causal(None, True) is with_causal(None, True)
+    assert with_causal(None, True, "bottom-right") is not with_causal(None, True)
+    assert with_causal(padding, True) is with_causal(padding, True)
+    assert repr(with_causal(padding, True)) == "key_padding([5, 9]) & causal('top-left')"
+    assert with_causal(padding, False) is padding

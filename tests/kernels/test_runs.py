@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from qkv import masks
 from qkv.attention import reference_attention
 from qkv.kernels import _blocks, _blockwise, plan_blocks, tiled_attention
-from qkv.kernels._threads import caller_on_one_core, task_threads
+from qkv.kernels._threads import caller_on_one_core, set_thread_mode, task_threads
 from qkv.masks import EMPTY, FULL, PARTIAL
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -41,7 +41,11 @@ def small_blocks(candidates: tuple[int, ...], run_elements: int) -> Iterator[Non
         mock.patch.object(_blocks, "_BLOCK_OVERHEAD", 4),
         mock.patch.object(_blockwise, "RUN_ELEMENTS", run_elements),
     ):
-        yield
+        _blocks._plans.clear()  # plans are kept per mask object: none made with other sizes
+        try:
+            yield
+        finally:
+            _blocks._plans.clear()
 
 
 def _rule(draw: st.DrawFn, lq: int, lk: int) -> masks.Mask | None:
@@ -185,6 +189,17 @@ def test_skipping_off_keeps_the_structure_and_the_block_sizes() -> None:
     np.testing.assert_array_equal(plan.structure, structure.kinds)
 
 
+@pytest.fixture
+def pool_mode() -> Iterator[None]:
+    """The kernel's own pool of threads (``set_thread_mode("pool")``) for one test."""
+    before = set_thread_mode("pool")
+    try:
+        yield
+    finally:
+        set_thread_mode(before)
+
+
+@pytest.mark.usefixtures("pool_mode")
 def test_the_caller_runs_on_one_core_and_gets_its_thread_count_back() -> None:
     with mock.patch.object(torch, "get_num_threads", wraps=torch.get_num_threads):
         torch.set_num_threads(2)
@@ -204,6 +219,7 @@ def test_the_caller_runs_on_one_core_and_gets_its_thread_count_back() -> None:
             torch.set_num_threads(1)
 
 
+@pytest.mark.usefixtures("pool_mode")
 def test_the_caller_gets_its_thread_count_back_after_an_error() -> None:
     torch.set_num_threads(2)
     try:

@@ -58,8 +58,18 @@ def with_causal(mask: Mask | None, is_causal: bool, alignment: str = "top-left")
     if not is_causal:
         return mask
     check_alignment(alignment)
-    rule = causal("bottom-right" if alignment == "bottom-right" else "top-left")
-    return rule if mask is None else mask & rule
+    side: Alignment = "bottom-right" if alignment == "bottom-right" else "top-left"
+    # The same objects from call to call: the tiled kernel keeps its block plan and the
+    # masks of partial blocks per mask object.
+    rule = _CAUSAL.get(side)
+    if rule is None:
+        rule = _CAUSAL.setdefault(side, causal(side))
+    if mask is None:
+        return rule
+    return mask.combined("&", rule)
+
+
+_CAUSAL: dict[str, Mask] = {}
 
 
 def sliding_window(before: int, after: int = 0, *, alignment: Alignment = "top-left") -> Mask:

@@ -53,6 +53,7 @@ class Mask:
         self._description = description
         self._op = op  # "&" or "|" for a combination, None for a single rule
         self._blocks = blocks
+        self._combined: dict[tuple[str, int], tuple[Mask, Mask]] = {}
 
     def __repr__(self) -> str:
         return self._description
@@ -67,6 +68,25 @@ class Mask:
     def knows_blocks(self) -> bool:
         """Whether the mask knows its block structure without evaluating elements."""
         return self._blocks is not None
+
+    def combined(self, op: str, other: Mask) -> Mask:
+        """``self & other`` or ``self | other`` (``op``), the same object on every call with
+        the same ``other``: the tiled kernel keeps its block plans per mask object.
+
+        Example:
+            >>> from qkv.masks import causal, key_padding
+            >>> padding, rule = key_padding([3]), causal()
+            >>> padding.combined("&", rule) is padding.combined("&", rule)
+            True
+        """
+        if op not in ("&", "|"):
+            raise ValueError(f"Mask.combined: op must be '&' or '|', got {op!r}.")
+        found = self._combined.get((op, id(other)))
+        if found is not None and found[0] is other:
+            return found[1]
+        made = self & other if op == "&" else self | other
+        self._combined[(op, id(other))] = (other, made)  # holds other: its id stays its own
+        return made
 
     def __and__(self, other: Mask) -> Mask:
         _check_mask(other, "&")
