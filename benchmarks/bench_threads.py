@@ -1,5 +1,5 @@
-"""The tiled kernel's two thread modes, "torch" and "pool", in the situations that decide
-between them, in one run.
+"""The tiled kernel's thread modes, "torch", "pool" and "auto" (the default, which chooses),
+in the situations that decide between them, in one run.
 
 - ``alone``: the kernel called again and again, nothing in between;
 - ``after matmul``: each call right after a (1024 × 1024) matrix product on PyTorch's
@@ -7,8 +7,8 @@ between them, in one run.
   spinning for some milliseconds afterwards);
 - ``busy``: the same as ``alone`` while another process keeps one core busy.
 
-Each case prints the median time of each mode and the ratio pool / torch (above 1: the
-default "torch" is faster). The two modes alternate within each repeat. See "Threads" in
+Each case prints the median time of each mode, and the ratio of "auto" to the faster of the
+other two (1.0: auto chose well). The modes take turns within each repeat. See "Threads" in
 docs/kernels.md.
 
 Usage:
@@ -35,7 +35,7 @@ from rich.progress import Progress
 from qkv.kernels import set_thread_mode, tiled_attention
 from qkv.masks import Mask, causal, document, sliding_window
 
-MODES = ("torch", "pool")
+MODES = ("torch", "pool", "auto")
 SITUATIONS = ("alone", "after matmul", "busy")
 
 
@@ -54,7 +54,7 @@ class Row:
 
     @property
     def ratio(self) -> float:
-        return self.ms["pool"] / self.ms["torch"]
+        return self.ms["auto"] / min(self.ms["torch"], self.ms["pool"])
 
 
 def cases(quick: bool) -> list[Case]:
@@ -94,13 +94,13 @@ def measure(case: Case, situation: str, repeats: int) -> Row:
         set_thread_mode(mode)  # type: ignore[arg-type]
         call()
     for i in range(repeats):
-        for mode in MODES if i % 2 == 0 else MODES[::-1]:
+        for mode in MODES[i % len(MODES) :] + MODES[: i % len(MODES)]:
             set_thread_mode(mode)  # type: ignore[arg-type]
             before()
             start = time.perf_counter()
             call()
             times[mode].append(time.perf_counter() - start)
-    set_thread_mode("torch")
+    set_thread_mode("auto")
     return Row(case, situation, {m: statistics.median(t) * 1e3 for m, t in times.items()})
 
 
@@ -108,13 +108,13 @@ def table(rows: Sequence[Row], threads: int) -> str:
     lines = [
         f"Tiled forward, B=1, H=8, D=64, float32, {threads} PyTorch threads; ms, median.",
         "",
-        "| case | N | situation | torch | pool | pool / torch |",
-        "|---|---:|---|---:|---:|---:|",
+        "| case | N | situation | torch | pool | auto | auto / best |",
+        "|---|---:|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r.case.name} | {r.case.length} | {r.situation} | {r.ms['torch']:.1f} | "
-            f"{r.ms['pool']:.1f} | {r.ratio:.2f} |"
+            f"{r.ms['pool']:.1f} | {r.ms['auto']:.1f} | {r.ratio:.2f} |"
         )
     return "\n".join(lines)
 

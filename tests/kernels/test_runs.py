@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from qkv import masks
 from qkv.attention import reference_attention
 from qkv.kernels import _blocks, _blockwise, plan_blocks, tiled_attention
-from qkv.kernels._threads import caller_on_one_core, set_thread_mode, task_threads
+from qkv.kernels._threads import call_threads, set_thread_mode, task_threads
 from qkv.masks import EMPTY, FULL, PARTIAL
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -204,10 +204,10 @@ def test_the_caller_runs_on_one_core_and_gets_its_thread_count_back() -> None:
     with mock.patch.object(torch, "get_num_threads", wraps=torch.get_num_threads):
         torch.set_num_threads(2)
         try:
-            with caller_on_one_core():
+            with call_threads():
                 assert torch.get_num_threads() == 1
                 assert task_threads() == 2  # the blocks still go to two threads
-                with caller_on_one_core():  # nested: the outer count holds
+                with call_threads():  # nested: the outer count holds
                     assert task_threads() == 2
                 assert task_threads() == 2
             assert torch.get_num_threads() == 2
@@ -223,7 +223,7 @@ def test_the_caller_runs_on_one_core_and_gets_its_thread_count_back() -> None:
 def test_the_caller_gets_its_thread_count_back_after_an_error() -> None:
     torch.set_num_threads(2)
     try:
-        with pytest.raises(RuntimeError, match="boom"), caller_on_one_core():
+        with pytest.raises(RuntimeError, match="boom"), call_threads():
             raise RuntimeError("boom")
         assert torch.get_num_threads() == 2 and task_threads() == 2
     finally:

@@ -1,4 +1,5 @@
-"""The tiled kernel's two ways of using threads compute the same numbers.
+"""The tiled kernel's ways of using threads: the same numbers, and "auto" turns to the pool
+when the process does not get its cores.
 
 ``"torch"`` spreads each operation over PyTorch's threads; ``"pool"`` gives whole blocks to
 threads of its own. The forward and dK, dV are the same to the bit; dQ adds the key blocks'
@@ -11,12 +12,14 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 
 import qkv
-from qkv.kernels import get_thread_mode, set_thread_mode, tiled_attention
+from qkv.kernels import _forward, _threads, get_thread_mode, set_thread_mode, tiled_attention
 from qkv.masks import document, sliding_window
 
 
@@ -70,12 +73,81 @@ def test_both_modes_compute_the_same_numbers(options: dict[str, object]) -> None
 
 
 def test_a_mode_that_does_not_exist_is_refused_in_one_line() -> None:
-    with pytest.raises(ValueError, match=r"mode must be 'torch' or 'pool', got 'openmp'"):
+    with pytest.raises(ValueError, match=r"'auto', 'torch' or 'pool', got 'openmp'"):
         set_thread_mode("openmp")  # type: ignore[arg-type]
 
 
+class _Clocks:
+    """time.perf_counter and time.process_time as a kernel call sees them: each call lasts
+    ``wall`` seconds and uses ``cpu`` seconds of CPU in all."""
+
+    def __init__(self, wall: float, cpu: float) -> None:
+        self.wall, self.cpu, self.t, self.c = wall, cpu, 0.0, 0.0
+
+    def perf_counter(self) -> float:
+        self.t += self.wall / 2  # read once at the start of a call, once at its end
+        return self.t
+
+    def process_time(self) -> float:
+        self.c += self.cpu / 2
+        return self.c
+
+
+def _call_with(clocks: _Clocks) -> str:
+    """Run one small kernel call under the given clocks; return the mode it ran."""
+    seen: list[str] = []
+    original = _threads.run_tasks
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(getattr(_threads._call, "mode", None) or "none")
+        return original(*args, **kwargs)
+
+    q = torch.randn(1, 2, 64, 8)
+    with (
+        mock.patch.object(_threads, "_wall_clock", clocks.perf_counter),
+        mock.patch.object(_threads, "_cpu_clock", clocks.process_time),
+        mock.patch.object(_forward, "run_tasks", spy),
+    ):
+        tiled_attention(q, q, q)
+    return seen[0]
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_auto_turns_to_the_pool_when_the_cores_are_taken_and_comes_back() -> None:
+    set_thread_mode("auto")
+    idle, starved = _Clocks(wall=0.02, cpu=0.039), _Clocks(wall=0.02, cpu=0.02)
+    assert _call_with(idle) == "torch"
+    assert _call_with(starved) == "torch"  # the call that shows it: half of 2 cores
+    assert _call_with(idle) == "pool"  # then the pool, for a while
+    assert _threads._setting.backoff == 2 * _threads._FIRST_BACKOFF
+    _threads._setting.pool_until = 0.0  # the while is over: "torch" is tried again
+    assert _call_with(idle) == "torch"
+    assert _threads._setting.backoff == _threads._FIRST_BACKOFF  # and it went well
+    short = _Clocks(wall=0.001, cpu=0.0)  # too short to judge
+    assert _call_with(short) == "torch" and _call_with(idle) == "torch"
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_a_fixed_mode_is_never_changed_by_what_a_call_shows() -> None:
+    set_thread_mode("torch")
+    starved = _Clocks(wall=0.02, cpu=0.001)
+    assert [_call_with(starved) for _ in range(3)] == ["torch"] * 3
+    set_thread_mode("pool")
+    assert _call_with(starved) == "pool"
+
+
+def test_the_backoff_doubles_up_to_its_longest_and_a_good_call_resets_it() -> None:
+    setting = _threads._Setting()
+    for _ in range(20):
+        setting.judge(wall=1.0, cpu=0.1, threads=2)
+    assert setting.backoff == _threads._LONGEST_BACKOFF
+    setting.judge(wall=1.0, cpu=1.9, threads=2)
+    assert setting.backoff == _threads._FIRST_BACKOFF
+
+
 @pytest.mark.parametrize(
-    ("value", "expected"), [("pool", "pool"), ("", "torch"), ("bogus", "torch")]
+    ("value", "expected"),
+    [("pool", "pool"), ("torch", "torch"), ("", "auto"), ("bogus", "auto")],
 )
 def test_the_environment_variable_chooses_the_mode(value: str, expected: str) -> None:
     code = "import qkv.kernels as k; print(k.get_thread_mode())"
@@ -85,4 +157,4 @@ def test_the_environment_variable_chooses_the_mode(value: str, expected: str) ->
     )
     assert done.stdout.strip() == expected
     if value == "bogus":
-        assert "QKV_THREAD_MODE must be 'torch' or 'pool', got 'bogus'" in done.stderr
+        assert "QKV_THREAD_MODE must be 'auto', 'torch' or 'pool', got 'bogus'" in done.stderr

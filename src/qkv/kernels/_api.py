@@ -10,7 +10,7 @@ import array_api_compat.torch as torch_xp
 import torch
 
 from qkv.kernels._blocks import plan_blocks
-from qkv.kernels._threads import caller_on_one_core
+from qkv.kernels._threads import call_threads
 from qkv.kernels._tiled import Problem, tiled_function
 from qkv.masks import Mask, ScoreMod, draw_seed, dropout_keep, with_causal
 from qkv.masks._scores import as_score_mod
@@ -140,8 +140,8 @@ def run_tiled(
     once on a 1 × 1 block (:func:`captured_tensors`) and get their gradients from the
     backward pass, block by block.
     """
-    # The caller's own operations (checks, plan, sinks) on one core: see caller_on_one_core.
-    with caller_on_one_core(query.device.type == "cpu"):
+    # One call of the kernel: its thread mode is chosen once (see call_threads).
+    with call_threads(query.device.type == "cpu"):
         batch, heads, q_len, _ = query.shape
         kv_heads, kv_len = key.shape[1], key.shape[2]
         dtype = query.dtype

@@ -1,21 +1,28 @@
-"""How the tiled kernel uses several threads: PyTorch's own (the default), or a pool of its own.
+"""How the tiled kernel uses several threads: PyTorch's own, or a pool of its own.
 
-``"torch"`` (the default): the kernel's operations run in the calling thread, and each large
-one is spread over PyTorch's OpenMP threads (``torch.get_num_threads()``), as every PyTorch
-operation is. Inside a model, attention follows other operations (the projections' matrix
-products) whose OpenMP threads stay awake, spinning, for some milliseconds after them; the
-kernel's operations find them ready.
+``"torch"``: the kernel's operations run in the calling thread, and each large one is spread
+over PyTorch's OpenMP threads (``torch.get_num_threads()``), as every PyTorch operation is.
+Inside a model, attention follows other operations (the projections' matrix products) whose
+OpenMP threads stay awake, spinning, for some milliseconds after them; the kernel's
+operations find them ready. But on a machine whose cores are busy with other work, each of
+the kernel's few hundred operations per call waits, at its end, for a thread the system has
+paused: measured 3 times slower than "pool" beside one busy process on 2 cores, and up to
+50 times beside several.
 
 ``"pool"``: T threads of the kernel's own (T = ``torch.get_num_threads()``) each take whole
-query (or key) blocks and run their operations on one core, with one join per call instead
-of one per operation. It is faster on a machine whose cores are busy with other work: there
-every join of an OpenMP operation waits for a thread the system has paused, and the kernel
-makes a few dozen such operations per call (measured 1.2 to 4 times faster than "torch" on
-2 cores with one other busy process). On an otherwise idle machine it is slower right after
-an OpenMP operation, whose spinning threads then compete with the pool's for the cores
-(measured up to 1.5 times slower at N = 1,024). Each pool thread keeps its own scratch state
-(score buffers, partial sums), so tasks never write to the same memory, and the caller's own
-operations around the tasks run on one core (:func:`caller_on_one_core`).
+query (or key) blocks and run their operations on one core, with one wait per call. It
+keeps its speed on a busy machine, but right after an OpenMP operation its threads compete
+with the spinning OpenMP threads for the cores (measured up to 1.6 times slower than
+"torch" at N = 1,024 on an otherwise idle machine). Each pool thread keeps its own scratch
+state (score buffers, partial sums), so tasks never write to the same memory, and the
+caller's own operations around the tasks run on one core.
+
+``"auto"`` (the default) runs "torch", and watches each call of more than
+:data:`_WATCHED_SECONDS`: when the process got less than :data:`_STARVED` of T cores for
+it (its CPU time over T times its wall time; about 0.97 on an idle machine, 0.5 to 0.77
+beside busy processes), other work is taking the cores, and the next calls run "pool" for
+a while (5 s, doubled each time it happens again in a row, up to 5 minutes) before
+"torch" is tried again.
 
 Choose with :func:`set_thread_mode`, or the environment variable ``QKV_THREAD_MODE`` (read at
 import). Both run the same operations on the same blocks: the forward's numbers are the same
@@ -28,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +45,7 @@ import torch
 
 __all__ = [
     "ThreadMode",
-    "caller_on_one_core",
+    "call_threads",
     "get_thread_mode",
     "run_tasks",
     "set_thread_mode",
@@ -45,44 +53,78 @@ __all__ = [
 ]
 
 State = TypeVar("State")
-ThreadMode = Literal["torch", "pool"]
-_MODES: tuple[ThreadMode, ...] = ("torch", "pool")
+ThreadMode = Literal["auto", "torch", "pool"]
+_MODES: tuple[ThreadMode, ...] = ("auto", "torch", "pool")
+
+_WATCHED_SECONDS = 0.005  # shorter calls: CPU time is too coarse to judge
+_STARVED = 0.8
+_FIRST_BACKOFF, _LONGEST_BACKOFF = 5.0, 300.0
+_wall_clock, _cpu_clock = time.perf_counter, time.process_time  # the CPU time of all threads
 
 
 def _mode_from_environment() -> ThreadMode:
-    value = os.environ.get("QKV_THREAD_MODE", "torch").strip().lower() or "torch"
+    value = os.environ.get("QKV_THREAD_MODE", "auto").strip().lower() or "auto"
     for mode in _MODES:
         if value == mode:
             return mode
     warnings.warn(
-        f"QKV_THREAD_MODE must be 'torch' or 'pool', got {value!r}; using 'torch'. Hint: "
-        "unset it, or QKV_THREAD_MODE=pool on a machine busy with other work.",
+        f"QKV_THREAD_MODE must be 'auto', 'torch' or 'pool', got {value!r}; using 'auto'. "
+        "Hint: unset it, or QKV_THREAD_MODE=pool on a machine busy with other work.",
         stacklevel=2,
     )
-    return "torch"
+    return "auto"
 
 
-_mode: list[ThreadMode] = [_mode_from_environment()]
+class _Setting:
+    """The chosen mode, and for "auto" until when the pool runs and for how long next."""
+
+    def __init__(self) -> None:
+        self.mode: ThreadMode = _mode_from_environment()
+        self.pool_until = 0.0  # time.monotonic()
+        self.backoff = _FIRST_BACKOFF
+        self.lock = threading.Lock()
+
+    def now(self) -> Literal["torch", "pool"]:
+        """The mode a call starting now runs."""
+        if self.mode != "auto":
+            return self.mode
+        return "pool" if time.monotonic() < self.pool_until else "torch"
+
+    def judge(self, wall: float, cpu: float, threads: int) -> None:
+        """After an "auto" call that ran "torch": did the process get its cores?"""
+        if wall < _WATCHED_SECONDS:
+            return
+        with self.lock:
+            if cpu < _STARVED * threads * wall:
+                self.pool_until = time.monotonic() + self.backoff
+                self.backoff = min(self.backoff * 2, _LONGEST_BACKOFF)
+            else:
+                self.backoff = _FIRST_BACKOFF
+
+
+_setting = _Setting()
 
 
 def get_thread_mode() -> ThreadMode:
-    """How the tiled kernel uses several threads now: ``"torch"`` or ``"pool"``.
+    """How the tiled kernel is set to use several threads: ``"auto"``, ``"torch"`` or
+    ``"pool"``.
 
     Example:
-        >>> get_thread_mode() in ("torch", "pool")
+        >>> get_thread_mode() in ("auto", "torch", "pool")
         True
     """
-    return _mode[0]
+    return _setting.mode
 
 
 def set_thread_mode(mode: ThreadMode) -> ThreadMode:
     """Choose how the tiled kernel uses ``torch.get_num_threads()`` threads, for the whole
     process; returns the mode it had.
 
-    ``"torch"`` (the default) spreads each operation over PyTorch's OpenMP threads, like any
-    PyTorch operation: the fastest on a machine that runs nothing else. ``"pool"`` gives
-    whole blocks to threads of the kernel's own, each on one core: the faster choice on a
-    machine whose cores are shared with other busy processes. See the module's docstring.
+    ``"torch"`` spreads each operation over PyTorch's OpenMP threads, like any PyTorch
+    operation: the fastest on a machine that runs nothing else. ``"pool"`` gives whole
+    blocks to threads of the kernel's own, each on one core: much the faster when other
+    busy processes share the cores. ``"auto"`` (the default) runs "torch" and turns to
+    "pool" for a while when a call shows the cores taken. See the module's docstring.
 
     Example:
         >>> old = set_thread_mode("pool")
@@ -92,46 +134,59 @@ def set_thread_mode(mode: ThreadMode) -> ThreadMode:
     """
     if mode not in _MODES:
         raise ValueError(
-            f"set_thread_mode: mode must be 'torch' or 'pool', got {mode!r}. Hint: 'torch' "
-            "on an otherwise idle machine, 'pool' when other work shares the cores."
+            f"set_thread_mode: mode must be 'auto', 'torch' or 'pool', got {mode!r}. Hint: "
+            "'auto' chooses; 'torch' on an otherwise idle machine, 'pool' when other work "
+            "shares the cores."
         )
-    previous = _mode[0]
-    _mode[0] = mode
+    with _setting.lock:
+        previous = _setting.mode
+        _setting.mode = mode
+        _setting.pool_until, _setting.backoff = 0.0, _FIRST_BACKOFF
     return previous
 
 
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
-_caller = threading.local()  # .threads: the caller's thread count inside caller_on_one_core
+_call = threading.local()  # .mode, .threads: those of the call the thread is in, if any
 
 
 @contextlib.contextmanager
-def caller_on_one_core(on_cpu: bool = True) -> Iterator[None]:
-    """In the ``"pool"`` mode, run the calling thread's PyTorch operations on one core until
-    the block ends (its thread count is restored then); :func:`run_tasks` still uses the
-    caller's count.
+def call_threads(on_cpu: bool = True) -> Iterator[None]:
+    """One call of the kernel (its forward, or its backward): its thread mode is chosen once,
+    at the start, and holds for every :func:`run_tasks` inside.
 
-    Nested uses keep the outermost count. In the ``"torch"`` mode, or off the CPU, nothing
-    changes.
+    In the pool, the calling thread's own PyTorch operations (checks, plan, the sums of the
+    backward) run on one core until the block ends (its thread count is restored then):
+    handing them to PyTorch's idle OpenMP threads costs a wake-up that was measured at 2 to
+    12 ms on a busy 2-core machine, more than the operations. An "auto" call that runs
+    "torch" is timed, and judged at its end (see the module's docstring).
+
+    Nested uses keep the outermost call's mode. Off the CPU, nothing changes.
     """
     threads = torch.get_num_threads()
-    nested = getattr(_caller, "threads", None) is not None
-    if _mode[0] == "torch" or not on_cpu or threads <= 1 or nested:
+    if not on_cpu or threads <= 1 or getattr(_call, "mode", None) is not None:
         yield
         return
-    _caller.threads = threads
-    torch.set_num_threads(1)
+    mode = _setting.now()
+    _call.mode, _call.threads = mode, threads
+    watched = _setting.mode == "auto" and mode == "torch"
+    wall, cpu = _wall_clock(), _cpu_clock()
+    if mode == "pool":
+        torch.set_num_threads(1)
     try:
         yield
     finally:
-        _caller.threads = None
-        torch.set_num_threads(threads)
+        _call.mode = _call.threads = None
+        if mode == "pool":
+            torch.set_num_threads(threads)
+        if watched:
+            _setting.judge(_wall_clock() - wall, _cpu_clock() - cpu, threads)
 
 
 def task_threads() -> int:
     """How many threads :func:`run_tasks` uses: the caller's count (the one it had before
-    :func:`caller_on_one_core`)."""
-    threads: int | None = getattr(_caller, "threads", None)
+    :func:`call_threads`)."""
+    threads: int | None = getattr(_call, "threads", None)
     return torch.get_num_threads() if threads is None else threads
 
 
@@ -173,16 +228,18 @@ def run_tasks(
 ) -> list[State]:
     """Run every task once, each given its thread's state; return the states made.
 
-    In the ``"torch"`` mode, with one thread (or one task), or with tensors on an
-    accelerator (whose operations are queued, not run, by the calling thread), everything
-    runs in the caller's thread, in order.
+    In the pool (the mode of the enclosing :func:`call_threads`, else the mode a call
+    starting now would run), the tasks go to the pool's threads. Otherwise, with one thread
+    (or one task), or with tensors on an accelerator (whose operations are queued, not run,
+    by the calling thread), everything runs in the caller's thread, in order.
 
     Tasks go to whichever thread is free, unless ``in_order``: thread t then runs tasks t,
     t + T, t + 2T, ... in this order, and the states come back in thread order, so that sums
     over the states are the same, bit for bit, from one call to the next.
     """
     threads = task_threads() if threads is None else threads
-    if _mode[0] == "torch" or threads <= 1 or len(tasks) <= 1 or not on_cpu:
+    mode = getattr(_call, "mode", None) or _setting.now()
+    if mode == "torch" or threads <= 1 or len(tasks) <= 1 or not on_cpu:
         state = make_state()
         for task in tasks:
             task(state)

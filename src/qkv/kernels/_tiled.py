@@ -27,7 +27,7 @@ import torch
 from qkv.kernels._backward import attention_backward
 from qkv.kernels._blockwise import Problem
 from qkv.kernels._forward import attention_forward
-from qkv.kernels._threads import caller_on_one_core
+from qkv.kernels._threads import call_threads
 
 __all__ = ["Problem", "attention_forward", "tiled_function"]
 
@@ -70,7 +70,7 @@ class _TiledAttention(torch.autograd.Function):
         wanted = tuple(
             t for t, needed in zip(captured, ctx.needs_input_grad[5:], strict=True) if needed
         )
-        with caller_on_one_core(q.device.type == "cpu"):  # its sums: see there
+        with call_threads(q.device.type == "cpu"):  # a call of its own: see there
             dq, dk, dv, dbias, d_wanted = attention_backward(
                 q, k, v, bias, out, lse, grad_out, grad_lse, problem, need_bias, wanted
             )
