@@ -5,6 +5,8 @@
     sdpa        torch.nn.functional.scaled_dot_product_attention (fused, no (Lq, Lk) matrix
                 unless a mask or bias has to be passed as one)
     tiled       qkv.kernels.tiled_attention (O(L) memory, masks skip empty blocks)
+    flex        torch's FlexAttention under torch.compile: qkv's mask rules as cached block
+                masks, score modifiers as its score_mod (auto uses it on CUDA only)
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from qkv.attention._options import Call
 from qkv.attention._reference import attend
 from qkv.masks import Mask
 
-__all__ = ["BACKENDS", "DENSE_MASK_LIMIT", "MEMORY_FRACTION", "Backend", "Call"]
+__all__ = ["BACKENDS", "DENSE_MASK_LIMIT", "MEMORY_FRACTION", "Backend", "Call", "on_cuda"]
 
-BackendName = Literal["auto", "reference", "sdpa", "tiled"]
+BackendName = Literal["auto", "reference", "sdpa", "tiled", "flex"]
 
 DENSE_MASK_LIMIT = 1 << 22
 """Auto avoids SDPA when it would need a mask array of more elements than this (4 Mi: a
@@ -186,6 +188,138 @@ def _run_tiled(call: Call) -> tuple[Array, Array | None]:
     return _three(out, call.lead), None
 
 
+def on_cuda(call: Call) -> bool:
+    """Whether the call's tensors live on a CUDA device (where auto considers ``flex``)."""
+    return call.torch and call.query.device.type == "cuda"
+
+
+_FLEX_CPU_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _flex_refusal(call: Call, auto: bool) -> str | None:
+    common = _common_refusal(call, "compiled FlexAttention")
+    if common is not None:
+        return common
+    options = call.options
+    cuda = on_cuda(call)
+    if auto and not cuda:
+        return "auto runs it on CUDA only; on CPU the tiled kernel runs masks and modifiers"
+    if options.dropout_p > 0:
+        return "dropout: FlexAttention has no dropout"
+    if options.dense_mask is not None:
+        return (
+            "a boolean mask array: FlexAttention takes mask rules (qkv.masks); sdpa takes "
+            "arrays as they are"
+        )
+    bias = options.bias
+    if bias is not None and getattr(bias, "requires_grad", False):
+        return "a bias that needs a gradient"
+    dtype = str(call.query.dtype).removeprefix("torch.")
+    if not cuda:
+        if _needs_grad(call) or _sinks_need_grad(call):
+            return (
+                "a gradient on CPU: torch's FlexAttention has no CPU backward (the tiled "
+                "kernel and qkv.flex_attention have one)"
+            )
+        if options.sinks is not None:
+            return (
+                "attention sinks on CPU: compiled FlexAttention there gives no log-sum-exp, "
+                "which the sinks need"
+            )
+        if dtype not in _FLEX_CPU_DTYPES:
+            return f"{dtype} on CPU: compiled FlexAttention there takes float32, float16, bfloat16"
+    if auto:
+        if dtype == "float64":
+            return "float64: auto keeps it on the tiled kernel, which accumulates in float64"
+        if int(call.query.shape[-1]) < 16 or int(call.value.shape[-1]) < 16:
+            return "head dimension below 16: FlexAttention's kernels need D ≥ 16"
+        if call.scores_elements() == 0:
+            return "an empty call: nothing to compile"
+        if bias is not None:
+            return "a bias array: sdpa or the tiled kernel take it without a compiled closure"
+        if options.score_mod is not None and torch_grad_enabled() and _learnable(call):
+            return (
+                "a score modifier with tensors that need a gradient: FlexAttention's gradient "
+                "of captured tensors is atomic (not deterministic) and has known failures; "
+                "the tiled kernel computes it block by block (backend='flex' to use it)"
+            )
+    return None
+
+
+def torch_grad_enabled() -> bool:
+    """Whether autograd records (``torch.is_grad_enabled()``)."""
+    import torch
+
+    return bool(torch.is_grad_enabled())
+
+
+def _sinks_need_grad(call: Call) -> bool:
+    sinks = call.options.sinks
+    return torch_grad_enabled() and bool(getattr(sinks, "requires_grad", False))
+
+
+def _learnable(call: Call) -> bool:
+    """Whether the call's score modifier captures tensors that require grad."""
+    from qkv.kernels._api import captured_tensors
+
+    modifier = call.options.score_mod
+    if modifier is None:
+        return False
+    exclude = (call.query, call.key, call.value, call.options.bias, call.options.sinks)
+    return bool(captured_tensors(modifier, call.query, exclude=exclude))
+
+
+def _run_flex(call: Call) -> tuple[Array, Array | None]:
+    import torch
+
+    from qkv.kernels._api import with_sinks
+    from qkv.kernels._flex_masks import BLOCK_MASKS, run_flex
+
+    options = call.options
+    q4, k4, v4 = (_four(x, call.lead) for x in (call.query, call.key, call.value))
+    batch, heads, q_len, d_k = (int(n) for n in q4.shape)
+    kv_len = int(k4.shape[2])
+    rule = options.rule
+    block_mask = None
+    if rule is not None:
+        block_mask = BLOCK_MASKS.block_mask(
+            rule,
+            batch=batch,
+            heads=heads,
+            q_len=q_len,
+            kv_len=kv_len,
+            device=q4.device,
+        )
+    bias = _four_mask(options.bias, call)
+    score_mod = BLOCK_MASKS.score_mod(
+        options.score_mod, q_len, kv_len, bias, device=q4.device, dtype=q4.dtype
+    )
+    sinks = options.sinks
+    result = run_flex(
+        q4,
+        k4,
+        v4,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=options.scale_for(d_k),
+        enable_gqa=heads != int(k4.shape[1]),
+        return_lse=sinks is not None,
+    )
+    if sinks is None:
+        out = result
+    else:
+        out, lse = result  # lse: float32 for half inputs
+        compute = torch.promote_types(q4.dtype, torch.float32)
+        out = with_sinks(out.to(compute), lse.to(compute), sinks.to(compute))[0].to(q4.dtype)
+    if options.masked or options.score_mod is not None or sinks is not None:
+        # As for sdpa: a NaN or ±inf of a masked-out key must not reach the output (flex
+        # multiplies its zero weight by the value); one reduction and one host sync.
+        sums = (out.sum(), q4.sum(), k4.sum())
+        if not bool(torch.isfinite(torch.stack(sums)).all()):
+            return _run_tiled(call)
+    return _three(out, call.lead), None
+
+
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
@@ -197,6 +331,7 @@ BACKENDS: dict[str, Backend] = {
         ),
         Backend("sdpa", "torch's fused scaled_dot_product_attention", _sdpa_refusal, _run_sdpa),
         Backend("tiled", "qkv's tiled O(L)-memory kernel", _tiled_refusal, _run_tiled),
+        Backend("flex", "torch's compiled FlexAttention", _flex_refusal, _run_flex),
     )
 }
 """The registered backends, in the order auto considers them after the reference."""

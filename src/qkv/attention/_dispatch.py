@@ -3,8 +3,10 @@
 The backends (``_backends.py``) share one signature and sit in a registry,
 :data:`~qkv.attention._backends.BACKENDS`. ``backend="auto"`` takes the first that fits: the
 reference for NumPy, for weights and for a trace that fits in memory; SDPA when it runs the
-call without a large dense mask; else the tiled kernel. :func:`explain_dispatch` returns the
-choice with the reason of every refusal.
+call without a large dense mask; else the tiled kernel. On CUDA, qkv's mask rules and score
+modifiers go to compiled FlexAttention (``flex``) first, and the report names the kernel
+torch's SDPA would run. :func:`explain_dispatch` returns the choice with the reason of every
+refusal.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class Dispatch:
         notes: other facts of the run (a partial trace, the NaN check of SDPA, ...).
         refusal: why the requested backend cannot run the call (the call would raise
             ValueError), or None.
+        sdpa_kernel: on CUDA, when sdpa runs: the kernel torch picks (``"flash"``,
+            ``"memory-efficient"``, ``"cuDNN"``, ``"math"``); else None.
     """
 
     backend: str
@@ -54,6 +58,7 @@ class Dispatch:
     reasons: tuple[tuple[str, str], ...]
     notes: tuple[str, ...] = field(default=())
     refusal: str | None = None
+    sdpa_kernel: str | None = None
 
     def __str__(self) -> str:
         """A short report that fits 80 columns."""
@@ -110,10 +115,11 @@ def decide(call: Call, requested: str) -> Dispatch:
     and the reason in ``refusal`` (running the call raises ValueError).
     """
     call = positional_bias(call)
+    listed = _listed(call, requested)
     if requested != "auto" and requested in BACKENDS:
         refused = BACKENDS[requested].refusal(call, False)
         if refused is not None:
-            reasons_of = {n: _refused_or_not(b.refusal(call, False)) for n, b in BACKENDS.items()}
+            reasons_of = {n: _refused_or_not(BACKENDS[n].refusal(call, False)) for n in listed}
             return Dispatch(
                 "none",
                 requested,
@@ -127,25 +133,36 @@ def decide(call: Call, requested: str) -> Dispatch:
     chosen = choose(call, requested)
     reasons: dict[str, str] = {}
     if requested != "auto":
-        for name, backend in BACKENDS.items():
-            why = backend.refusal(call, False)
+        for name in listed:
+            why = BACKENDS[name].refusal(call, False)
             reasons[name] = "asked for" if name == chosen else _refused_or_not(why)
     else:
         refusals = _Refusals(call, auto=True)
         why_chosen = _auto(call, refusals)[1]
-        for name in BACKENDS:
+        for name in listed:
             if name == chosen:
                 reasons[name] = why_chosen
             elif refusals[name] is not None:
                 reasons[name] = f"refused: {refusals[name]}"
             else:
-                reasons[name] = "could run; " + _passed_over(name, chosen)
+                reasons[name] = "could run; " + _passed_over(call, name, chosen)
     notes = []
     options = call.options
     if chosen != "reference" and call.trace is not None:
         notes.append(_trace_note(call))
     if chosen == "sdpa" and (options.masked or options.bias is not None):
         notes.append("sdpa's output is checked for NaN/inf; if any, the tiled kernel redoes it")
+    kernel = None
+    if chosen == "sdpa" and _backends.on_cuda(call):
+        try:
+            choice = _sdpa_choice(call)
+        except (RuntimeError, TypeError, AttributeError) as error:  # an older torch's API
+            notes.append(f"torch's SDPA kernel: not known ({type(error).__name__}: {error})")
+        else:
+            kernel = choice.kernel
+            notes.append(str(choice))
+    if chosen == "flex":
+        notes.extend(_flex_notes(call))
     if options.is_causal and options.mask is not None:
         notes.append(
             "is_causal=True and mask= are combined: a key is attended only where both allow "
@@ -154,8 +171,65 @@ def decide(call: Call, requested: str) -> Dispatch:
     half = _half_name(call)
     if half is not None:
         notes.append(_half_note(chosen, half))
-    ordered = tuple((name, reasons[name]) for name in BACKENDS)
-    return Dispatch(chosen, requested, ordered, tuple(notes))
+    ordered = tuple((name, reasons[name]) for name in listed)
+    return Dispatch(chosen, requested, ordered, tuple(notes), sdpa_kernel=kernel)
+
+
+def _listed(call: Call, requested: str) -> tuple[str, ...]:
+    """The backends a report lists: ``flex`` only on CUDA or when asked for (on CPU auto
+    never takes it, and the report stays as it was)."""
+    show_flex = requested == "flex" or _backends.on_cuda(call)
+    return tuple(name for name in BACKENDS if name != "flex" or show_flex)
+
+
+def _sdpa_choice(call: Call) -> Any:
+    """The kernel torch's SDPA runs for the call on CUDA (:mod:`qkv.kernels._sdpa_choice`),
+    given what qkv's sdpa adapter would pass torch."""
+    from qkv.kernels._sdpa_choice import sdpa_kernel_choice, torch_mask_stand_in
+
+    options = call.options
+    q4, k4, v4 = (_backends._four(x, call.lead) for x in (call.query, call.key, call.value))
+    attn_mask, is_causal = torch_mask_stand_in(
+        q4,
+        k4,
+        mask=_backends._four_mask(options.mask, call),
+        bias=_backends._four_mask(options.bias, call),
+        is_causal=options.is_causal,
+        alignment=options.causal_alignment,
+    )
+    return sdpa_kernel_choice(
+        q4,
+        k4,
+        v4,
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        enable_gqa=int(q4.shape[1]) != int(k4.shape[1]),
+    )
+
+
+def _flex_notes(call: Call) -> list[str]:
+    """What a flex run does besides the kernel: the block mask, compilation, the checks."""
+    from qkv.kernels._flex_masks import BLOCK_SIZE
+
+    options = call.options
+    notes = []
+    rule = options.rule
+    if rule is not None:
+        how = (
+            "from the rule's block structure"
+            if rule.knows_blocks
+            else "every block partial (the rule has no block hint)"
+        )
+        notes.append(
+            f"flex: block mask of {BLOCK_SIZE} × {BLOCK_SIZE} blocks {how}, cached per "
+            "(rule, B, H, Lq, Lk, device)"
+        )
+    notes.append("flex: torch.compile compiles on the first call of each shape and rule")
+    if options.sinks is not None:
+        notes.append("flex: sinks applied from its log-sum-exp, out · σ(lse − sink)")
+    if options.masked or options.score_mod is not None or options.sinks is not None:
+        notes.append("flex's output is checked for NaN/inf; if any, the tiled kernel redoes it")
+    return notes
 
 
 def _half_name(call: Call) -> str | None:
@@ -165,6 +239,11 @@ def _half_name(call: Call) -> str | None:
 
 
 def _half_note(chosen: str, half: str) -> str:
+    if chosen == "flex":
+        return (
+            f"{half}: given to compiled FlexAttention as {half} (scores and softmax in "
+            f"float32, the weights rounded to {half} for the product with V)"
+        )
     if chosen == "sdpa":
         return (
             f"{half}: given to torch's fused kernel as {half} (it accumulates in float32 but "
@@ -185,7 +264,7 @@ def _auto(call: Call, refusals: dict[str, str | None]) -> tuple[str, str]:
         return "reference", "the weights are asked for: only the reference forms them"
     if call.trace is not None and refusals["reference"] is None:
         return "reference", "a trace is recorded: the reference forms every step"
-    for name in ("sdpa", "tiled"):
+    for name in _fast_order(call):
         if refusals[name] is None:
             return name, _why_fast(call, name)
     if refusals["reference"] is None or BACKENDS["reference"].refusal(call, False) is None:
@@ -196,7 +275,31 @@ def _auto(call: Call, refusals: dict[str, str | None]) -> tuple[str, str]:
     )
 
 
+def _fast_order(call: Call) -> tuple[str, ...]:
+    """The fast backends in the order auto tries them. CPU: sdpa, tiled. CUDA: flex first
+    for a qkv mask rule or a score modifier, else sdpa first (dense, causal and boolean
+    masks), then the other, then tiled."""
+    if not _backends.on_cuda(call):
+        return ("sdpa", "tiled")
+    if _structured(call):
+        return ("flex", "sdpa", "tiled")
+    return ("sdpa", "flex", "tiled")
+
+
+def _structured(call: Call) -> bool:
+    """A qkv Mask rule or a score modifier: what compiled FlexAttention is for."""
+    options = call.options
+    return isinstance(options.mask, Mask) or options.score_mod is not None
+
+
 def _why_fast(call: Call, name: str) -> str:
+    if name == "flex":
+        if _structured(call):
+            return (
+                "a mask rule or score modifier on CUDA: compiled FlexAttention skips the "
+                "empty blocks"
+            )
+        return "compiled FlexAttention on CUDA runs this call"
     if name == "sdpa":
         return "fused kernel; runs this call without a large dense mask"
     mask = call.options.mask
@@ -205,10 +308,12 @@ def _why_fast(call: Call, name: str) -> str:
     return "runs in O(L) memory, evaluating masks block by block"
 
 
-def _passed_over(name: str, chosen: str) -> str:
-    order = ["reference", "sdpa", "tiled"]
+def _passed_over(call: Call, name: str, chosen: str) -> str:
+    order = ["reference", *_fast_order(call)]
     if name == "reference":
         return "but forms every (Lq, Lk) step"
+    if name not in order or chosen not in order:
+        return "not needed"
     return f"{chosen} comes first" if order.index(name) > order.index(chosen) else "not needed"
 
 
@@ -286,8 +391,10 @@ def scaled_dot_product_attention(
             :func:`qkv.tracing` block, if any). When the (Lq, Lk) steps would not fit in
             memory, only the trace's selected heads and query rows are recorded (a
             warning says which).
-        backend: ``"auto"`` (default), ``"reference"``, ``"sdpa"`` (PyTorch's fused kernel)
-            or ``"tiled"`` (qkv's O(L)-memory kernel); see :func:`qkv.explain_dispatch`.
+        backend: ``"auto"`` (default), ``"reference"``, ``"sdpa"`` (PyTorch's fused kernel),
+            ``"tiled"`` (qkv's O(L)-memory kernel) or ``"flex"`` (torch's compiled
+            FlexAttention; auto takes it on CUDA for mask rules and score modifiers); see
+            :func:`qkv.explain_dispatch`.
 
     Returns:
         context (..., H, Lq, Dv); with ``return_weights``, ``(context, weights)`` with

@@ -16,7 +16,8 @@ materialises softmax(Q·Kᵀ/√d)·V in PyTorch and in NumPy; FlexAttention in 
 ``torch.compile``). Slow peers run only at the lengths where they finish in seconds. For the
 structured masks, the real peer is FlexAttention under ``torch.compile``
 (:func:`compiled_flex`, given a ``BlockMask`` built from qkv's own block structure by
-:func:`flex_block_mask`); its compile time is measured apart from its time.
+:func:`flex_block_mask`, the one the ``flex`` backend uses, from
+``qkv.kernels._flex_masks``); its compile time is measured apart from its time.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 
 from qkv.bench._results import Row
 from qkv.kernels import tiled_attention
+from qkv.kernels._flex_masks import flex_block_mask
 
 __all__ = [
     "DIM",
@@ -149,34 +151,6 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> An
 
 def _tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Any:
     return tiled_attention(q, k, v, is_causal=causal)
-
-
-def flex_block_mask(rule: Any, mask_mod: Callable[..., Any], length: int, block: int = 128) -> Any:
-    """A torch ``BlockMask`` for compiled FlexAttention from a qkv mask's own block structure
-    (:meth:`qkv.masks.Mask.blocks`: no (N, N) evaluation) and the same rule as a torch
-    ``mask_mod``, applied by FlexAttention in the partial blocks only."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    from qkv.masks import FULL, PARTIAL
-
-    kinds = torch.from_numpy(rule.blocks(length, length, block, block)[:1, :1].copy())
-
-    def ordered(kind: int) -> tuple[torch.Tensor, torch.Tensor]:
-        chosen = kinds == kind  # (1, 1, nq, nk)
-        order = torch.argsort((~chosen).to(torch.int8), dim=-1, stable=True)
-        return chosen.sum(-1).to(torch.int32), order.to(torch.int32)
-
-    partial_num, partial_idx = ordered(PARTIAL)
-    full_num, full_idx = ordered(FULL)
-    return BlockMask.from_kv_blocks(
-        partial_num,
-        partial_idx,
-        full_num,
-        full_idx,
-        BLOCK_SIZE=block,
-        mask_mod=mask_mod,
-        seq_lengths=(length, length),
-    )
 
 
 def compiled_flex() -> Callable[..., Any]:

@@ -264,9 +264,7 @@ class _KeptMasks:
     def __init__(self, budget: int) -> None:
         self._budget = budget
         self._bytes = 0
-        self._entries: OrderedDict[tuple[Any, ...], tuple[Any, torch.Tensor | None]] = (
-            OrderedDict()
-        )
+        self._entries: OrderedDict[tuple[Any, ...], tuple[Any, torch.Tensor | None]] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, key: tuple[Any, ...], plan: Any) -> tuple[bool, torch.Tensor | None]:

@@ -9,7 +9,6 @@ backward, in O(Lq + Lk) memory; on CUDA it calls torch's own compiled ``flex_att
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 
 from qkv.kernels._api import run_tiled
+from qkv.kernels._flex_masks import BLOCK_MASKS, run_flex
 from qkv.masks import EMPTY, FULL, PARTIAL, Mask, ScoreMod
 from qkv.masks._scores import as_score_mod
 
@@ -210,15 +210,6 @@ def _as_rule(block_mask: Any, batch: int, heads: int, q_len: int, kv_len: int) -
     return block_mask_rule(block_mask)
 
 
-@functools.cache
-def _compiled_flex() -> Callable[..., Any]:
-    """torch's flex_attention under torch.compile (compiled once, on first use)."""
-    from torch.nn.attention.flex_attention import flex_attention as torch_flex
-
-    compiled: Callable[..., Any] = torch.compile(torch_flex)
-    return compiled
-
-
 def _on_cuda(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -229,28 +220,24 @@ def _on_cuda(
     enable_gqa: bool,
     return_lse: bool,
 ) -> Any:
-    """torch's compiled flex_attention; a qkv Mask or ScoreMod becomes torch's form first."""
-    import array_api_compat.torch as torch_xp
-    from torch.nn.attention.flex_attention import create_block_mask
-
+    """torch's compiled flex_attention; a qkv Mask or ScoreMod becomes torch's form first
+    (:mod:`qkv.kernels._flex_masks`: the BlockMask from the rule's block structure, cached)."""
     q_len, kv_len = query.shape[2], key.shape[2]
     if isinstance(block_mask, Mask):
-        rule = block_mask
-
-        def mask_mod(b: Any, h: Any, q: Any, kv: Any) -> Any:
-            return rule(b, h, q, kv, q_len, kv_len, torch_xp)
-
-        block_mask = create_block_mask(
-            mask_mod, query.shape[0], query.shape[1], q_len, kv_len, device=query.device
+        block_mask = BLOCK_MASKS.block_mask(
+            block_mask,
+            batch=query.shape[0],
+            heads=query.shape[1],
+            q_len=q_len,
+            kv_len=kv_len,
+            device=query.device,
         )
     torch_mod = score_mod  # torch's own signature: given as it is
     if isinstance(score_mod, ScoreMod):
-        modifier = score_mod
-
-        def torch_mod(s: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
-            return modifier(s, b, h, q, kv, q_len, kv_len, torch_xp)
-
-    return _compiled_flex()(
+        torch_mod = BLOCK_MASKS.score_mod(
+            score_mod, q_len, kv_len, device=query.device, dtype=query.dtype
+        )
+    return run_flex(
         query,
         key,
         value,

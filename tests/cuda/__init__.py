@@ -1,0 +1,1 @@
+"""Tests that need a CUDA GPU: FlexAttention and SDPA dispatch, parity, traces."""
