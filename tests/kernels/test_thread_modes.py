@@ -25,13 +25,18 @@ from qkv.masks import document, sliding_window
 
 @pytest.fixture
 def two_threads() -> Iterator[None]:
+    """Two PyTorch threads, and "auto" having seen nothing yet; both restored after."""
     before, mode = torch.get_num_threads(), get_thread_mode()
+    setting = _threads._setting
+    seen = (setting.pool_until, setting.backoff)
+    setting.pool_until, setting.backoff = 0.0, _threads._FIRST_BACKOFF
     torch.set_num_threads(2)
     try:
         yield
     finally:
         torch.set_num_threads(before)
         set_thread_mode(mode)
+        setting.pool_until, setting.backoff = seen
 
 
 def _grads(
@@ -116,10 +121,17 @@ def _call_with(clocks: _Clocks) -> str:
 def test_auto_turns_to_the_pool_when_the_cores_are_taken_and_comes_back() -> None:
     set_thread_mode("auto")
     idle, starved = _Clocks(wall=0.02, cpu=0.039), _Clocks(wall=0.02, cpu=0.02)
+    short_of = _Clocks(wall=0.02, cpu=0.028)  # 0.7 of 2 cores: maybe a passing moment
     assert _call_with(idle) == "torch"
-    assert _call_with(starved) == "torch"  # the call that shows it: half of 2 cores
-    assert _call_with(idle) == "pool"  # then the pool, for a while
-    assert _threads._setting.backoff == 2 * _threads._FIRST_BACKOFF
+    assert _call_with(short_of) == "torch" and _call_with(idle) == "torch"
+    assert _call_with(idle) == "torch"  # the good call in between forgot the first
+    assert _call_with(short_of) == "torch" and _call_with(short_of) == "torch"
+    assert _call_with(idle) == "pool"  # two in a row: the pool, for a while
+    _threads._setting.pool_until = 0.0
+    assert _call_with(idle) == "torch"
+    assert _call_with(starved) == "torch"  # half of 2 cores: one call is enough
+    assert _call_with(idle) == "pool"
+    assert _threads._setting.backoff == 2 * _threads._FIRST_BACKOFF  # the good call reset it
     _threads._setting.pool_until = 0.0  # the while is over: "torch" is tried again
     assert _call_with(idle) == "torch"
     assert _threads._setting.backoff == _threads._FIRST_BACKOFF  # and it went well
@@ -133,6 +145,11 @@ def test_a_fixed_mode_is_never_changed_by_what_a_call_shows() -> None:
     starved = _Clocks(wall=0.02, cpu=0.001)
     assert [_call_with(starved) for _ in range(3)] == ["torch"] * 3
     set_thread_mode("pool")
+    assert _call_with(starved) == "pool"
+    set_thread_mode("auto")  # what auto saw before still holds
+    assert _threads._setting.pool_until == 0.0 and _call_with(starved) == "torch"
+    set_thread_mode("torch")
+    set_thread_mode("auto")
     assert _call_with(starved) == "pool"
 
 

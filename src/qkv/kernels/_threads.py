@@ -20,9 +20,9 @@ caller's own operations around the tasks run on one core.
 ``"auto"`` (the default) runs "torch", and watches each call of more than
 :data:`_WATCHED_SECONDS`: when the process got less than :data:`_STARVED` of T cores for
 it (its CPU time over T times its wall time; about 0.97 on an idle machine, 0.5 to 0.77
-beside busy processes), other work is taking the cores, and the next calls run "pool" for
-a while (5 s, doubled each time it happens again in a row, up to 5 minutes) before
-"torch" is tried again.
+beside busy processes) in two calls in a row, or less than :data:`_VERY_STARVED` in one,
+other work is taking the cores, and the next calls run "pool" for a while (5 s, doubled
+each time it happens again, up to 5 minutes) before "torch" is tried again.
 
 Choose with :func:`set_thread_mode`, or the environment variable ``QKV_THREAD_MODE`` (read at
 import). Both run the same operations on the same blocks: the forward's numbers are the same
@@ -57,7 +57,7 @@ ThreadMode = Literal["auto", "torch", "pool"]
 _MODES: tuple[ThreadMode, ...] = ("auto", "torch", "pool")
 
 _WATCHED_SECONDS = 0.005  # shorter calls: CPU time is too coarse to judge
-_STARVED = 0.8
+_STARVED, _VERY_STARVED = 0.8, 0.6
 _FIRST_BACKOFF, _LONGEST_BACKOFF = 5.0, 300.0
 _wall_clock, _cpu_clock = time.perf_counter, time.process_time  # the CPU time of all threads
 
@@ -82,6 +82,7 @@ class _Setting:
         self.mode: ThreadMode = _mode_from_environment()
         self.pool_until = 0.0  # time.monotonic()
         self.backoff = _FIRST_BACKOFF
+        self.strikes = 0  # calls in a row that did not get their cores
         self.lock = threading.Lock()
 
     def now(self) -> Literal["torch", "pool"]:
@@ -91,15 +92,21 @@ class _Setting:
         return "pool" if time.monotonic() < self.pool_until else "torch"
 
     def judge(self, wall: float, cpu: float, threads: int) -> None:
-        """After an "auto" call that ran "torch": did the process get its cores?"""
+        """After an "auto" call that ran "torch": did the process get its cores? Two calls
+        in a row that did not, or one that got less than :data:`_VERY_STARVED`, send the
+        next calls to the pool (one short of its cores may be a passing moment)."""
         if wall < _WATCHED_SECONDS:
             return
+        share = cpu / (threads * wall)
         with self.lock:
-            if cpu < _STARVED * threads * wall:
+            if share >= _STARVED:
+                self.strikes, self.backoff = 0, _FIRST_BACKOFF
+                return
+            self.strikes += 2 if share < _VERY_STARVED else 1
+            if self.strikes >= 2:
+                self.strikes = 0
                 self.pool_until = time.monotonic() + self.backoff
                 self.backoff = min(self.backoff * 2, _LONGEST_BACKOFF)
-            else:
-                self.backoff = _FIRST_BACKOFF
 
 
 _setting = _Setting()
@@ -138,10 +145,9 @@ def set_thread_mode(mode: ThreadMode) -> ThreadMode:
             "'auto' chooses; 'torch' on an otherwise idle machine, 'pool' when other work "
             "shares the cores."
         )
-    with _setting.lock:
+    with _setting.lock:  # what "auto" has seen of the machine still holds
         previous = _setting.mode
         _setting.mode = mode
-        _setting.pool_until, _setting.backoff = 0.0, _FIRST_BACKOFF
     return previous
 
 
