@@ -12,7 +12,7 @@ paused: measured 3 times slower than "pool" beside one busy process on 2 cores, 
 ``"pool"``: T threads of the kernel's own (T = ``torch.get_num_threads()``) each take whole
 query (or key) blocks and run their operations on one core, with one wait per call. It
 keeps its speed on a busy machine, but right after an OpenMP operation its threads compete
-with the spinning OpenMP threads for the cores (measured up to 1.6 times slower than
+with the spinning OpenMP threads for the cores (measured up to 1.5 times slower than
 "torch" at N = 1,024 on an otherwise idle machine). Each pool thread keeps its own scratch
 state (score buffers, partial sums), so tasks never write to the same memory, and the
 caller's own operations around the tasks run on one core.
