@@ -25,9 +25,9 @@ other work is taking the cores, and the next calls run "pool" for a while (5 s, 
 each time it happens again, up to 5 minutes) before "torch" is tried again.
 
 Choose with :func:`set_thread_mode`, or the environment variable ``QKV_THREAD_MODE`` (read at
-import). Both run the same operations on the same blocks: the forward's numbers are the same
-to the bit; the backward adds the key blocks' shares of dQ in another order (T partial sums
-in the pool), so dQ may differ in its last bits.
+import). Every mode runs the same operations on the same blocks, and the backward adds the
+key blocks' shares of dQ in the same T partial sums, so the results are the same to the bit
+in every mode (and from one call to the next, even when "auto" changes its mind).
 """
 
 from __future__ import annotations
@@ -237,7 +237,8 @@ def run_tasks(
     In the pool (the mode of the enclosing :func:`call_threads`, else the mode a call
     starting now would run), the tasks go to the pool's threads. Otherwise, with one thread
     (or one task), or with tensors on an accelerator (whose operations are queued, not run,
-    by the calling thread), everything runs in the caller's thread, in order.
+    by the calling thread), everything runs in the caller's thread, in order; ``in_order``
+    tasks then still fill T states as the pool's threads would.
 
     Tasks go to whichever thread is free, unless ``in_order``: thread t then runs tasks t,
     t + T, t + 2T, ... in this order, and the states come back in thread order, so that sums
@@ -245,11 +246,23 @@ def run_tasks(
     """
     threads = task_threads() if threads is None else threads
     mode = getattr(_call, "mode", None) or _setting.now()
-    if mode == "torch" or threads <= 1 or len(tasks) <= 1 or not on_cpu:
+    if threads <= 1 or len(tasks) <= 1 or not on_cpu:
         state = make_state()
         for task in tasks:
             task(state)
         return [state]
+    if mode == "torch":
+        if not in_order:
+            state = make_state()
+            for task in tasks:
+                task(state)
+            return [state]
+        # The pool's states, filled in the caller: state t gets tasks t, t + T, ... in this
+        # order, as thread t would, so the sums over them have the same bits in both modes.
+        shared = [make_state() for _ in range(min(threads, len(tasks)))]
+        for i, task in enumerate(tasks):
+            task(shared[i % len(shared)])
+        return shared
     states: _States[State] = _States(make_state)
     inference = torch.is_inference_mode_enabled()
     caller_threads = torch.get_num_threads()
