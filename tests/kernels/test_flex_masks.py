@@ -335,3 +335,37 @@ def test_a_masked_nan_is_kept_out_by_redoing_the_call_on_the_tiled_kernel() -> N
     got = qkv.scaled_dot_product_attention(q, k, v, mask=rule, enable_gqa=True, backend="flex")
     assert bool(torch.isfinite(got[:, :, :-1]).all())
     assert bool(torch.isnan(got[:, :, -1]).all())
+
+
+WIDTH = 4  # a module-level name a rule reads
+
+
+def test_what_a_rule_reads_besides_its_closure_is_part_of_its_key() -> None:
+    """A dictionary, or a module-level name, that the rule reads: change it, and the rule
+    gets another block mask (an unchanged one finds the same)."""
+    global WIDTH
+    settings = {"width": 3}
+    by_dict = masks.from_function(lambda b, h, q, kv: q - kv < settings["width"], "dict")
+    before = fingerprint(by_dict)
+    assert fingerprint(by_dict) == before
+    settings["width"] = 5
+    assert fingerprint(by_dict) != before
+    by_name = masks.from_function(lambda b, h, q, kv: q - kv < WIDTH, "global")
+    first = fingerprint(by_name)
+    WIDTH = 9
+    try:
+        assert fingerprint(by_name) != first
+    finally:
+        WIDTH = 4
+    assert fingerprint(by_name) == first
+
+
+def test_a_rules_own_caches_do_not_change_its_key() -> None:
+    """``document`` keeps its id tables per device, and a mask the rules it was combined with:
+    both fill up as the rule is used, and must not make an equal rule miss."""
+    ids = [0] * 40 + [1] * 60
+    used, fresh = masks.document(ids), masks.document(ids)
+    before = fingerprint(used)
+    used.dense(100, 100, xp=torch_xp)  # fills the document's tables for torch on the CPU
+    masks.with_causal(used, True)  # and the mask's combinations
+    assert fingerprint(used) == before == fingerprint(fresh)

@@ -33,7 +33,7 @@ import array_api_compat.torch as torch_xp
 import numpy as np
 import torch
 
-from qkv.masks import FULL, PARTIAL, Mask, ScoreMod
+from qkv.masks import FULL, PARTIAL, Mask, RuleCache, ScoreMod
 
 __all__ = [
     "BLOCK_MASKS",
@@ -394,10 +394,12 @@ def fingerprint(obj: object, depth: int = 0) -> Hashable:
 
     qkv's modules build new rules at every call (``mask & causal()``, ``alibi(slopes)``,
     ``key_padding(lengths)``): keyed by identity, the cache would miss at every step. The
-    key is the rule's code and, recursively, what it closes over: numbers and strings by
-    value, NumPy arrays and small CPU tensors (≤ 65,536 elements, no gradient) by content,
-    other tensors and objects by identity. Dictionaries a rule closes over are caches (the
-    tables ``document`` keeps per device) and are left out.
+    key is the rule's code and, recursively, what it closes over and the module-level names
+    it reads: numbers and strings by value, lists, tuples, dictionaries, NumPy arrays and
+    small CPU tensors (≤ 65,536 elements, no gradient) by content, modules by name, other
+    tensors and objects by identity (a rule that reads an object's attributes is keyed by the
+    object: give a new rule when they change). A rule's own caches
+    (:class:`qkv.masks.RuleCache`) are left out.
     """
     if depth > _DEPTH:
         return _Same(obj)
@@ -418,11 +420,21 @@ def fingerprint(obj: object, depth: int = 0) -> Hashable:
                 continue
             cells.append(fingerprint(contents, depth + 1))
         defaults = fingerprint(obj.__defaults__, depth + 1)
-        return ("function", obj.__code__, tuple(cells), defaults)
+        names = tuple(
+            (name, fingerprint(obj.__globals__[name], depth + 1))
+            for name in obj.__code__.co_names
+            if name in obj.__globals__
+        )
+        return ("function", obj.__code__, tuple(cells), defaults, names)
+    if isinstance(obj, types.ModuleType):
+        return ("module", obj.__name__)
     if isinstance(obj, list | tuple):
         return (type(obj).__name__, tuple(fingerprint(x, depth + 1) for x in obj))
+    if isinstance(obj, RuleCache):
+        return ("cache",)
     if isinstance(obj, dict):
-        return ("dict",)
+        items = ((repr(key), fingerprint(value, depth + 1)) for key, value in obj.items())
+        return ("dict", tuple(sorted(items, key=lambda item: item[0])))
     if isinstance(obj, np.ndarray):
         digest = hashlib.blake2b(np.ascontiguousarray(obj).tobytes(), digest_size=16)
         return ("ndarray", obj.shape, str(obj.dtype), digest.digest())

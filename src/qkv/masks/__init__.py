@@ -61,6 +61,7 @@ from qkv.masks._rules import (
     BlockRule,
     Mask,
     Rule,
+    RuleCache,
     check_alignment,
 )
 from qkv.masks._scores import ScoreMod, alibi, alibi_slopes, score_function, softcap
@@ -74,6 +75,7 @@ __all__ = [
     "BlockRule",
     "Mask",
     "Rule",
+    "RuleCache",
     "ScoreMod",
     "alibi",
     "alibi_slopes",

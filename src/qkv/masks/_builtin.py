@@ -10,7 +10,14 @@ import numpy as np
 
 from qkv._array import Array, library, shape_str, to_numpy
 from qkv._array import device as array_device
-from qkv.masks._rules import Alignment, BlockRule, Mask, check_alignment, diagonal_offset
+from qkv.masks._rules import (
+    Alignment,
+    BlockRule,
+    Mask,
+    RuleCache,
+    check_alignment,
+    diagonal_offset,
+)
 
 
 def full() -> Mask:
@@ -237,7 +244,7 @@ def document(segment_ids: Sequence[int] | Array, kv_segment_ids: Any = None) -> 
             f"{shape_str(kv_ids.shape)} must both be (L,) or both (B, L) with the same B."
         )
     originals = (segment_ids, kv_segment_ids if kv_segment_ids is not None else segment_ids)
-    cache: dict[Any, tuple[Array, Array]] = {}
+    cache = RuleCache()  # (namespace, device) -> the id tables there
 
     def tables(xp: Any, dev: Any) -> tuple[Array, Array]:
         key = (id(xp), str(dev))
@@ -247,7 +254,8 @@ def document(segment_ids: Sequence[int] | Array, kv_segment_ids: Any = None) -> 
                 same = library(original) == "torch" and str(array_device(original)) == str(dev)
                 made.append(original if same and xp is not np else xp.asarray(ids, device=dev))
             cache[key] = (made[0], made[1])
-        return cache[key]
+        found: tuple[Array, Array] = cache[key]
+        return found
 
     def rule(b: Array, h: Array, q: Array, kv: Array, lq: int, lk: int, xp: Any) -> Array:
         _check_length(q_ids, lq, "segment_ids", "queries")

@@ -27,6 +27,13 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 """The kinds of blocks :meth:`Mask.blocks` reports."""
 
 
+class RuleCache(dict[Any, Any]):
+    """A dictionary a rule keeps as its own cache (tables per device, combinations made):
+    what it holds never changes what the rule computes, so FlexAttention's block-mask cache
+    (:func:`qkv.kernels._flex_masks.fingerprint`) leaves it out of the rule's key, where any
+    other dictionary a rule closes over counts by its content."""
+
+
 class Mask:
     """A boolean mask given by a rule on positions; True = the query may attend the key.
 
@@ -53,7 +60,7 @@ class Mask:
         self._description = description
         self._op = op  # "&" or "|" for a combination, None for a single rule
         self._blocks = blocks
-        self._combined: dict[tuple[str, int], tuple[Mask, Mask]] = {}
+        self._combined = RuleCache()  # (op, id(other)) -> (other, the combination)
 
     def __repr__(self) -> str:
         return self._description
@@ -83,7 +90,8 @@ class Mask:
             raise ValueError(f"Mask.combined: op must be '&' or '|', got {op!r}.")
         found = self._combined.get((op, id(other)))
         if found is not None and found[0] is other:
-            return found[1]
+            kept: Mask = found[1]
+            return kept
         made = self & other if op == "&" else self | other
         self._combined[(op, id(other))] = (other, made)  # holds other: its id stays its own
         return made
