@@ -385,6 +385,7 @@ def test_every_code_is_described() -> None:
         "heads-averaged",
         "wrong-query",
         "not-softmax",
+        "exps-rounded-to-zero",
         "digit-slip",
         "arithmetic",
         "rounding",

@@ -308,6 +308,7 @@ FORMAT2_CODES = (
     "unscaled",
     "sum-normalised",
     "not-softmax",
+    "exps-rounded-to-zero",
     "other-weights",
     "digit-slip",
     "mask-ignored",

@@ -75,6 +75,7 @@ class _Row:
     masked: np.ndarray | None = None
     masked_ok: np.ndarray | None = None
     band: np.ndarray | None = None
+    zero_sum: bool = False  # weights whose own printed exponentials sum to 0 (see _normalised)
     marks: tuple[str, ...] = ()
     status: str = ""
     diagnosis: str | None = None
@@ -138,6 +139,7 @@ def check(example: Example | str | os.PathLike[str]) -> Report:
         for row in here:
             carried = exact.carried(row.slot, row.t, ratios)
             row.marks = grade(row.values, row.correct, row.half, carried, row.band)
+            row.marks = _normalised(row)
             for i, mark in enumerate(row.marks):  # how far later steps may carry this number
                 if mark != WRONG and row.half[i] > 0:
                     off = abs(row.values[i] - row.correct[i]) / row.half[i]
@@ -227,6 +229,9 @@ def _apply_policy(
         scaled = row_of(correct, "scaled" if row.head is None else f"scaled@{row.head}", row.t)
         scaled = np.where(allowed[row.t], scaled, -np.inf)
         row.correct = exp_variant(row.values, row.correct, scaled)
+    if row.step == "weights" and printed is not None and allowed[row.t].any():
+        total = row_of(printed, row.slot.replace("weights", "exp_sum"), row.t)
+        row.zero_sum = bool(np.all(total == 0))
     from_printed = None if printed is None else row_of(printed, row.slot, row.t)
     doubt = None if effect is None else row_of(effect, row.slot, row.t)
     row.band = np.array(
@@ -302,6 +307,16 @@ def _judge(
     chosen = diagnose_step(setup, step, problems, entries, starts)
     for row in mistakes:
         row.status = "mismatch"
+        if row.zero_sum:
+            row.diagnosis = ROUNDED_TO_ZERO
+            largest = float(
+                np.max(row_of(words.correct, row.slot.replace("weights", "exp"), row.t))
+            )
+            row.message = (
+                f"{words.rounded_to_zero(row.t, largest)} "
+                f"{words.correct_line(row.slot, row.t, row.decimals)}"
+            )
+            continue
         candidate = chosen[row.t, row.slot]
         row.diagnosis = "arithmetic" if candidate is None else candidate.slip.code
         if candidate is None:
@@ -310,6 +325,20 @@ def _judge(
                 row.message = message
                 continue
         row.message = _mistake_message(row, candidate, printed, words)
+
+
+ROUNDED_TO_ZERO = "exps-rounded-to-zero"
+
+
+def _normalised(row: _Row) -> tuple[str, ...]:
+    """The marks of a row, with weights that cannot follow from the row's own printed
+    exponentials marked wrong when those sum to 0: rounded numbers carried from earlier steps
+    may move each weight by their allowance, which has no bound near a sum of 0."""
+    if not row.zero_sum:
+        return row.marks
+    slack = row.half + (0.0 if row.band is None else row.band)  # a rounding note at most
+    off = np.abs(row.values - row.correct) > slack + 1e-12
+    return tuple(WRONG if o else m for o, m in zip(off, row.marks, strict=True))
 
 
 def _look_at_row(row: _Row, setup: Setup, printed: Sensitivity | None, words: Words) -> str | None:

@@ -50,6 +50,8 @@ DIAGNOSES = {
     "wrong-query": "the row was computed with another token's query",
     "not-softmax": "weights that no softmax of these scores gives: a larger score gets a "
     "smaller weight",
+    "exps-rounded-to-zero": "the exponentials were rounded to 0 and carried on: their sum is 0 "
+    "and the weights 0/0 (subtract the row's largest score before exp, or keep more digits)",
     "digit-slip": "one digit wrong, or two neighbouring digits swapped; the rest is right",
     "arithmetic": "one or a few numbers wrong, with no pattern above",
     "rounding": "differs only beyond the printed precision (a note, not an error)",

@@ -62,6 +62,15 @@ class Format2Words(ABC):
         masked = masked or f"no key of {self.label(t)} is masked"
         return f"The −inf are at the wrong keys: {self.mask_rule(code)}; {masked}."
 
+    def rounded_to_zero(self, t: int, largest: float) -> str:
+        """The sentence of exponentials rounded to 0 and carried on (a sum of 0)."""
+        return (
+            f"The exponentials of {self.label(t)} were rounded to 0 and carried on (the largest "
+            f"is {largest:.3g}): their sum is 0 and the weights 0/0, not a number. Subtract the "
+            "row's largest score before exp (the softmax is the same, and the largest "
+            "exponential becomes 1), or keep more digits."
+        )
+
     def digit_slip(self, printed: str, right: str, index: int, step: str) -> str:
         """The sentence of a digit slip."""
         return (
