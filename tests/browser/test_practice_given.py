@@ -19,32 +19,23 @@ from qkv.check._pipeline import Setup, Slip, forward
 from qkv.cli import main
 from tests.browser.test_practice import enter_row, fresh, numbers
 from tests.support.browser import Tab
+from tests.support.given import QKV_GIVEN
 
 pytestmark = pytest.mark.slow
-
-GIVEN = """\
-format: 2
-name: Q, K and V given directly
-tokens: [the, cat, sat]
-inputs:
-  Q: [[1, 0], [0, 1], [1, 1]]
-  K: [[1, 0], [0, 1], [1, 1]]
-  V: [[1, 2], [3, 4], [5, 6]]
-"""
 
 
 def test_a_practice_run_on_q_k_and_v_given(
     tab: Tab, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     source = tmp_path / "given.yaml"
-    source.write_text(GIVEN, encoding="utf-8")
+    source.write_text(QKV_GIVEN, encoding="utf-8")
     page = tmp_path / "practice.html"
     assert main(["explain", "--example", str(source), "--html", str(page), "--practice"]) == 0
     capsys.readouterr()
     fresh(tab, page)
     cards = tab.js("[...document.querySelectorAll('.practice-step')].map(c => c.dataset.practice)")
     assert cards == ["scores", "scaled", "weights", "context"]
-    setup = Setup.of(examples.loads(GIVEN))
+    setup = Setup.of(examples.loads(QKV_GIVEN))
     right = forward(setup)["scores"][0, 2]  # sat: [1, 1, 2]
     said = enter_row(tab, "scores", 2, numbers(right, 1))
     assert said.startswith("✓ Right"), said

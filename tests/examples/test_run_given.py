@@ -19,6 +19,7 @@ from qkv import examples
 from qkv.check._pipeline import correct_values
 from qkv.cli import main
 from qkv.examples import ExampleError, builtin, loads, run
+from tests.support.given import QKV_GIVEN
 
 
 def _file(
@@ -88,19 +89,8 @@ def _heads_first(trace: Any, name: str) -> np.ndarray:
     return value[None] if trace[name].axes[0] != "head" else value
 
 
-THE_CAT_SAT = """\
-format: 2
-name: Q, K and V given directly
-tokens: [the, cat, sat]
-inputs:
-  Q: [[1, 0], [0, 1], [1, 1]]
-  K: [[1, 0], [0, 1], [1, 1]]
-  V: [[1, 2], [3, 4], [5, 6]]
-"""
-
-
 def test_one_head_gives_the_numbers_of_docs_example() -> None:
-    trace = run(loads(THE_CAT_SAT))
+    trace = run(loads(QKV_GIVEN))
     np.testing.assert_allclose(trace["weights"].value[2], [0.2483, 0.2483, 0.5035], atol=5e-5)
     np.testing.assert_allclose(trace["context"].value[2], [3.5105, 4.5105], atol=5e-5)
     assert trace.tokens == ["the", "cat", "sat"] and trace.query_tokens is None
@@ -169,7 +159,7 @@ def test_numbers_equal_a_float64_numpy_computation_head_by_head(
 
 
 def test_one_head_without_w_o_records_no_concat() -> None:
-    trace = run(loads(THE_CAT_SAT))
+    trace = run(loads(QKV_GIVEN))
     assert trace.names == ["Q", "K", "V", "scores", "scaled", "weights", "context"]
     assert trace["Q"].axes == ("query", "dim") and trace["K"].axes == ("key", "dim")
 
@@ -194,7 +184,7 @@ def test_the_check_pipeline_computes_the_same_numbers() -> None:
 
 
 def test_options_of_run_override_the_example() -> None:
-    example = loads(THE_CAT_SAT)
+    example = loads(QKV_GIVEN)
     Q = K = np.array([[1.0, 0], [0, 1], [1, 1]])
     V = np.array([[1.0, 2], [3, 4], [5, 6]])
     trace = run(example, scale=False, causal=True)
@@ -251,7 +241,7 @@ def _write(tmp_path: Path, text: str) -> Path:
 def test_qkv_explain_shows_a_file_given_by_q_k_and_v(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = _write(tmp_path, THE_CAT_SAT)
+    path = _write(tmp_path, QKV_GIVEN)
     assert main(["explain", "--example", str(path), "--query", "sat"]) == 0
     out = capsys.readouterr().out
     assert "Q, K and V given directly" in out
@@ -265,7 +255,7 @@ def test_qkv_explain_shows_a_file_given_by_q_k_and_v(
 def test_qkv_explain_html_and_practice_pages(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = _write(tmp_path, THE_CAT_SAT)
+    path = _write(tmp_path, QKV_GIVEN)
     page, practice = tmp_path / "page.html", tmp_path / "practice.html"
     assert main(["explain", "--example", str(path), "--html", str(page)]) == 0
     assert main(["explain", "-e", str(path), "--html", str(practice), "--practice"]) == 0
@@ -276,7 +266,7 @@ def test_qkv_explain_html_and_practice_pages(
         assert '"lab":{"kind":"qkv","inputs":{"Q":[[[1.0,0.0],[0.0,1.0],[1.0,1.0]]]' in text
     text = practice.read_text(encoding="utf-8")
     assert '"practice":{' in text and "3.51046953045" in text  # the context of "sat"
-    two = _write(tmp_path, THE_CAT_SAT.replace("tokens:", "heads: 2\ntokens:"))
+    two = _write(tmp_path, QKV_GIVEN.replace("tokens:", "heads: 2\ntokens:"))
     assert main(["explain", "-e", str(two), "--html", str(practice), "--practice"]) == 0
     assert main(["explain", "-e", str(two), "--causal", "--html", str(page)]) == 0
 
@@ -314,12 +304,12 @@ def test_decode_refuses_a_file_given_by_q_k_and_v(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Its q, k, v are not x·W: a decoding step would show made-up projections."""
-    path = _write(tmp_path, THE_CAT_SAT)
+    path = _write(tmp_path, QKV_GIVEN)
     assert main(["explain", "--decode", "--example", str(path)]) == 2
     err = capsys.readouterr().err
     assert "gives its vectors directly" in err and len(err.strip().splitlines()) == 1
     with pytest.raises(ValueError, match="gives its vectors directly"):
-        examples.decode_step(loads(THE_CAT_SAT))
+        examples.decode_step(loads(QKV_GIVEN))
 
 
 def test_a_broken_file_is_still_an_example_error() -> None:

@@ -23,6 +23,7 @@ from qkv.check._pipeline import Setup, Slip, forward
 from qkv.cli import main
 from qkv.examples import Claimed
 from qkv.render._practice import MAX_TOKENS, practice_data
+from tests.support.given import QKV_GIVEN
 
 ROOT = Path(__file__).resolve().parents[2]
 Data = dict[str, Any]
@@ -276,17 +277,6 @@ def test_the_commands_of_docs_page_md_work(tmp_path: Path, monkeypatch: pytest.M
         assert '"practice":{' in (tmp_path / html).read_text(encoding="utf-8")
     assert "out/practice.html" in page
     assert "qkv explain --html out/practice.html --practice" in (ROOT / "Makefile").read_text()
-
-
-QKV_GIVEN = """\
-format: 2
-name: Q, K and V given directly
-tokens: [the, cat, sat]
-inputs:
-  Q: [[1, 0], [0, 1], [1, 1]]
-  K: [[1, 0], [0, 1], [1, 1]]
-  V: [[1, 2], [3, 4], [5, 6]]
-"""
 
 
 def test_an_example_given_by_q_k_and_v_starts_at_the_scores() -> None:
