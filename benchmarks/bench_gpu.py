@@ -12,8 +12,15 @@ Sections, each printed as a Markdown table that names the device:
   qkv / faster peer (throughput: the target is ≥ 0.95).
 - mha: a training step of a small transformer (pre-norm blocks) with
   ``qkv.nn.MultiHeadAttention`` against the same model with ``torch.nn.MultiheadAttention``.
+- dispatch: what ``auto`` adds to a call, at sizes where the kernel takes microseconds:
+  qkv's ``auto`` (and ``explain_dispatch`` alone) against calling SDPA directly, many
+  calls in a row, one synchronisation at the end.
 - trace: one head and one query row of one layer traced (``qkv.tracing(model=...)``)
   against the untraced forward.
+- hf: a Llama-like Hugging Face model (12 layers, 12 heads, 4 key/value heads, float32,
+  random weights from its config) traced at one head and one row of its last layer, against
+  its own SDPA and eager implementations; the traced output and row are compared with
+  eager's (max |difference|).
 - decode: one token at a time with ``qkv.nn.KVCache`` against recomputing the causal pass.
 
 ``--smoke`` runs tiny sizes on the CPU (compiled FlexAttention forward included) in
@@ -29,23 +36,26 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import functools
 import platform
 import statistics
 import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 import qkv
 from qkv import masks
+from qkv.kernels._flex_masks import raise_recompile_limits
 from qkv.nn import KVCache, MultiHeadAttention
 
-SECTIONS = ("attention", "mha", "trace", "decode")
+T = TypeVar("T")
+SECTIONS = ("attention", "dispatch", "mha", "trace", "hf", "decode")
 MASK_KINDS = ("dense", "causal", "window", "documents")
 WINDOW = 1024  # keys before each query (a causal window of 1025)
 DOCUMENT = 2048  # mean document length (packed, causal within each)
@@ -83,12 +93,17 @@ class Settings:
     shapes: tuple[Shape, ...]
     smoke: bool
     window: int = WINDOW
+    masks: tuple[str, ...] = MASK_KINDS
     document: int = DOCUMENT
-    lines: list[str] = field(default_factory=list)
+    out: Path | None = None
 
     def emit(self, text: str = "") -> None:
+        """Print a line, and append it to ``out`` at once (a run stopped at its time limit
+        keeps every table it finished)."""
         print(text, flush=True)
-        self.lines.append(text)
+        if self.out is not None:
+            with self.out.open("a", encoding="utf-8") as file:
+                file.write(text + "\n")
 
 
 # -- timing --------------------------------------------------------------------------------------
@@ -97,6 +112,21 @@ class Settings:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def per_call(run: Callable[[], object], device: torch.device, calls: int) -> float:
+    """Seconds per call of ``run`` over ``calls`` calls in a row with one synchronisation at
+    the end (what a model's forward sees), the median of 5 such runs after a warm-up."""
+    run()
+    _sync(device)
+    runs = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            run()
+        _sync(device)
+        runs.append((time.perf_counter() - start) / calls)
+    return statistics.median(runs)
 
 
 def timed(run: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -113,8 +143,9 @@ def timed(run: Callable[[], object], device: torch.device, repeats: int) -> floa
     return statistics.median(times)
 
 
-def attempt(run: Callable[[], float]) -> float | str:
-    """A measurement, or a short reason it could not be taken (out of memory, an error)."""
+def attempt(run: Callable[[], T]) -> T | str:
+    """A measurement (or any value), or a short reason it could not be taken (out of
+    memory, an error)."""
     try:
         return run()
     except torch.cuda.OutOfMemoryError:
@@ -221,6 +252,11 @@ def _peers(kind: str, shape: Shape, settings: Settings) -> dict[str, Callable[..
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
         peers["sdpa-flash"] = sdpa
+
+        def sdpa_default(q: Any, k: Any, v: Any) -> Any:  # SDPA's own choice (cuDNN on Hopper)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        peers["sdpa-default"] = sdpa_default
     elif n * n <= 1 << 28:  # a boolean (N, N) mask array of at most 256 MiB
         rule = options["mask"]
         dense = rule.dense(n, n, xp=_torch_xp(), device=settings.device)
@@ -229,6 +265,9 @@ def _peers(kind: str, shape: Shape, settings: Settings) -> dict[str, Callable[..
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
 
         peers["sdpa-mask"] = sdpa_masked
+    # as FlexAttention's own benchmarks do: room for one compilation per case (torch's
+    # default of 8 would send later cases to uncompiled flex_attention)
+    raise_recompile_limits()
     compiled = torch.compile(flex_attention)
     block_mask = None
     if mask_mod is not None:
@@ -305,7 +344,7 @@ def attention_section(settings: Settings, rate: float) -> None:
     settings.emit("|---|---|---:|---|---|---:|---:|---:|---:|---:|")
     for shape in settings.shapes:
         dense_time: dict[tuple[str, str], float] = {}
-        for kind in MASK_KINDS:
+        for kind in settings.masks:
             share = visible_share(kind, shape, settings)
             cells = measure_case(shape, kind, settings)
             flops = 4.0 * shape.batch * shape.heads * shape.length**2 * shape.dim * share
@@ -453,6 +492,156 @@ def trace_section(settings: Settings) -> None:
     settings.emit()
 
 
+# -- the dispatch overhead of auto ---------------------------------------------------------------
+
+
+def dispatch_section(settings: Settings) -> None:
+    shapes = (
+        (Shape(1, 2, 16, 64),)
+        if settings.smoke
+        else (Shape(1, 8, 64, 128), Shape(4, 16, 64, 1024), Shape(8, 16, 128, 2048))
+    )
+    calls = 10 if settings.smoke else 200
+    settings.emit("## The dispatch overhead of auto")
+    settings.emit()
+    settings.emit(
+        f"{device_name(settings.device)}, {settings.dtype}: {calls} calls in a row, one "
+        "synchronisation at the end, µs per call (median of 5). overhead: qkv's time minus "
+        "SDPA's, for the same mask."
+    )
+    settings.emit()
+    settings.emit("| shape | mask | SDPA direct | qkv auto | overhead | explain_dispatch alone |")
+    settings.emit("|---|---|---:|---:|---:|---:|")
+    runs: dict[str, Callable[..., Any]] = {
+        "sdpa": torch.nn.functional.scaled_dot_product_attention,
+        "qkv": qkv.scaled_dot_product_attention,
+        "explain": qkv.explain_dispatch,
+    }
+    for shape in shapes:
+        generator = torch.Generator().manual_seed(0)
+        q, k, v = (
+            torch.randn(shape.batch, shape.heads, shape.length, shape.dim, generator=generator).to(
+                device=settings.device, dtype=settings.dtype
+            )
+            for _ in range(3)
+        )
+        for causal in (False, True):
+            seconds: dict[str, float | str] = {}
+            for name, function in runs.items():
+                call = functools.partial(function, q, k, v, is_causal=causal)
+                with torch.no_grad():
+                    seconds[name] = attempt(
+                        functools.partial(per_call, call, settings.device, calls)
+                    )
+            theirs, ours, alone = seconds["sdpa"], seconds["qkv"], seconds["explain"]
+            extra = (
+                f"{(ours - theirs) * 1e6:+.1f}"
+                if isinstance(ours, float) and isinstance(theirs, float)
+                else "—"
+            )
+            settings.emit(
+                f"| {shape} | {'causal' if causal else 'dense'} | {_fmt_us(theirs)} | "
+                f"{_fmt_us(ours)} | {extra} | {_fmt_us(alone)} |"
+            )
+    settings.emit()
+
+
+def _fmt_us(value: float | str) -> str:
+    return f"{value * 1e6:.1f}" if isinstance(value, float) else f"— ({value})"
+
+
+# -- tracing a Hugging Face model ------------------------------------------------------------------
+
+
+def hf_section(settings: Settings) -> None:
+    try:
+        from transformers import LlamaConfig, LlamaModel
+    except ImportError:
+        settings.emit("## Tracing a Hugging Face model: skipped (transformers is not installed)")
+        settings.emit()
+        return
+    hidden, heads, kv_heads, layers = (64, 4, 2, 2) if settings.smoke else (768, 12, 4, 12)
+    lengths = (32,) if settings.smoke else (1024, 4096)
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max(lengths),
+    )
+    torch.manual_seed(0)
+    model: Any = LlamaModel(config)
+    model = model.to(settings.device).eval()  # float32
+    settings.emit("## Tracing one head of a Hugging Face model")
+    settings.emit()
+    settings.emit(
+        f"{device_name(settings.device)}, float32: a Llama-like model, {layers} layers, hidden "
+        f"{hidden}, {heads} heads, {kv_heads} key/value heads, random weights; B = 1. traced: "
+        "the last layer, head 0, the last query row. max |Δ| vs eager: the traced model's "
+        "output and the recorded row against eager with output_attentions."
+    )
+    settings.emit()
+    settings.emit("| N | run | ms | vs sdpa | max \\|Δ\\| output | max \\|Δ\\| row |")
+    settings.emit("|---:|---|---:|---:|---:|---:|")
+    for length in lengths:
+        for line in _hf_rows(model, length, settings):
+            settings.emit(line)
+        if settings.device.type == "cuda":
+            torch.cuda.empty_cache()
+    model.set_attn_implementation("sdpa")
+    settings.emit()
+
+
+def _hf_rows(model: Any, length: int, settings: Settings) -> list[str]:
+    """The table rows of one length: untraced SDPA, one traced head and row, eager with
+    every weight; the traced output and row against eager's."""
+    ids = torch.randint(0, 1000, (1, length), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(settings.device)
+
+    def run(implementation: str, weights: bool = False) -> Any:
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():
+            return model(input_ids=ids, output_attentions=weights)
+
+    def traced() -> tuple[Any, Any]:
+        model.set_attn_implementation("sdpa")  # tracing puts qkv's in, then restores it
+        with torch.no_grad(), qkv.tracing(model=model, layers=-1, heads=0, queries=-1) as trace:
+            out = model(input_ids=ids)
+        return out, trace
+
+    eager = attempt(lambda: run("eager", weights=True))
+    out, trace = traced()
+    output_error = row_error = "—"
+    if not isinstance(eager, str):
+        difference = out.last_hidden_state - eager.last_hidden_state
+        output_error = f"{float(difference.abs().max()):.1e}"
+        row = torch.from_numpy(trace["weights"].value[0, 0, 0])
+        row_error = f"{float((row - eager.attentions[-1][0, 0, -1].cpu()).abs().max()):.1e}"
+        del eager
+    cases: dict[str, Callable[[], object]] = {
+        "sdpa, untraced": lambda: run("sdpa"),
+        "qkv.tracing, 1 head x 1 row": traced,
+        "eager + output_attentions": lambda: run("eager", weights=True),
+    }
+    times = {
+        name: attempt(functools.partial(timed, case, settings.device, settings.repeats))
+        for name, case in cases.items()
+    }
+    base = times["sdpa, untraced"]
+    rows = []
+    for name, seconds in times.items():
+        ratio = (
+            f"{seconds / base:.2f}"
+            if isinstance(seconds, float) and isinstance(base, float)
+            else "—"
+        )
+        errors = f"{output_error} | {row_error}" if name.startswith("qkv") else " | "
+        rows.append(f"| {length} | {name} | {_fmt_time(seconds)} | {ratio} | {errors} |")
+    return rows
+
+
 # -- decoding with a KV cache ----------------------------------------------------------------------
 
 
@@ -521,6 +710,9 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         default=None,
         help="attention shapes as B,H,D,N (default: six from 8,16,64,4096 to 1,16,128,65536)",
     )
+    parser.add_argument(
+        "--masks", nargs="+", choices=MASK_KINDS, default=list(MASK_KINDS), help="mask kinds"
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the tables here")
     return parser.parse_args(argv)
 
@@ -553,7 +745,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         smoke=args.smoke,
         window=32 if args.smoke else WINDOW,
         document=64 if args.smoke else DOCUMENT,
+        out=args.out,
+        masks=tuple(args.masks),
     )
+    if args.out is not None:
+        args.out.write_text("", encoding="utf-8")
     settings.emit(f"# qkv on {device_name(device)}")
     settings.emit()
     settings.emit(
@@ -561,18 +757,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"median of {settings.repeats} timed calls after a warm-up (compilation) call."
     )
     settings.emit()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.compile.*")
-        if "attention" in args.only:
-            attention_section(settings, matmul_rate(settings))
-        if "mha" in args.only:
-            mha_section(settings)
-        if "trace" in args.only:
-            trace_section(settings)
-        if "decode" in args.only:
-            decode_section(settings)
-    if args.out is not None:
-        args.out.write_text("\n".join(settings.lines) + "\n", encoding="utf-8")
+    # torch.compile's warnings stay visible: they say when a peer ran uncompiled
+    if "attention" in args.only:
+        attention_section(settings, matmul_rate(settings))
+    if "dispatch" in args.only:
+        dispatch_section(settings)
+    if "mha" in args.only:
+        mha_section(settings)
+    if "trace" in args.only:
+        trace_section(settings)
+    if "hf" in args.only:
+        hf_section(settings)
+    if "decode" in args.only:
+        decode_section(settings)
     return 0
 
 

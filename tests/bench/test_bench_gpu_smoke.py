@@ -1,8 +1,10 @@
-"""benchmarks/bench_gpu.py runs (issue 19): ``--smoke`` does every section at tiny sizes on the
-CPU, in a subprocess, in well under a minute, and prints the tables with their peers."""
+"""benchmarks/gpu_check.sh and bench_gpu.py run (issues 19 and 30): ``--smoke`` does every
+step of a GPU lease at tiny sizes on the CPU, in a subprocess, in about a minute, and
+writes the tables with their peers."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,25 +12,41 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_gpu.py"
+CHECK = SCRIPT.with_name("gpu_check.sh")
 
 
 @pytest.mark.slow
-def test_bench_gpu_smoke_runs_every_section_on_the_cpu(tmp_path: Path) -> None:
-    out = tmp_path / "gpu.md"
+def test_the_gpu_check_smoke_runs_the_tests_and_every_section_on_the_cpu(tmp_path: Path) -> None:
+    """What a GPU lease runs (issue 30), at tiny sizes: the machine's facts, the cuda tests
+    (skipped here, naming the marker) and every benchmark section, each into its file."""
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
+        ["bash", str(CHECK), "--smoke"],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=400,
         check=False,
+        env={**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable},
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    text = out.read_text(encoding="utf-8")
-    for heading in ("## Attention", "## A training step", "## Tracing one head", "## Decoding"):
-        assert heading in text
-    for peer in ("sdpa-flash", "flex-direct", "qkv-auto", "sdpa-mask"):
-        assert f"| {peer} |" in text
+    facts = (tmp_path / "facts.txt").read_text(encoding="utf-8")
+    assert "torch" in facts and "qkv" in facts
+    tests = (tmp_path / "tests.log").read_text(encoding="utf-8")
+    assert "cuda tests: exit 0" in tests and "marker 'cuda'" in tests
+    text = (tmp_path / "attention.md").read_text(encoding="utf-8")
+    text += (tmp_path / "others.md").read_text(encoding="utf-8")
+    for heading in (
+        "## Attention",
+        "## The dispatch overhead of auto",
+        "## A training step",
+        "## Tracing one head of one layer",
+        "## Tracing one head of a Hugging Face model",
+        "## Decoding",
+    ):
+        assert heading in text, heading
+    for peer in ("sdpa-flash", "sdpa-default", "flex-direct", "qkv-auto", "sdpa-mask"):
+        assert f"| {peer} |" in text, peer
     assert "qkv.nn.MultiHeadAttention" in text and "KVCache, one token" in text
+    assert "| qkv.tracing, 1 head x 1 row |" in text
 
 
 def test_bench_gpu_without_a_gpu_says_so_in_one_line() -> None:

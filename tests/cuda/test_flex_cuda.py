@@ -114,19 +114,27 @@ def _pairs(q_len: int, kv_len: int) -> list[tuple[str, masks.Mask, Any]]:
 # -- FlexAttention: every rule and modifier, three dtypes, forward and backward ------------------
 
 
+# one test per rule, so that pytest -n spreads their compilations over the cores
+RULE_CASES = [
+    pytest.param(q_len, kv_len, index, id=f"{shape}-{label}")
+    for (q_len, kv_len, shape) in ((L, L, "square"), (LQ, LK, "Lq<Lk"))
+    for index, (label, _, _) in enumerate(_pairs(q_len, kv_len))
+]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize(("q_len", "kv_len"), [(L, L), (LQ, LK)], ids=["square", "Lq<Lk"])
+@pytest.mark.parametrize(("q_len", "kv_len", "index"), RULE_CASES)
 def test_flex_matches_the_float64_reference_for_every_rule(
-    dtype: torch.dtype, q_len: int, kv_len: int
+    dtype: torch.dtype, q_len: int, kv_len: int, index: int
 ) -> None:
-    for name, rule, modifier in _pairs(q_len, kv_len):
-        _parity("flex", dtype, q_len, kv_len, {"mask": rule, "score_mod": modifier}, name)
+    name, rule, modifier = _pairs(q_len, kv_len)[index]
+    _parity("flex", dtype, q_len, kv_len, {"mask": rule, "score_mod": modifier}, name)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_flex_matches_the_reference_for_every_modifier_alone(dtype: torch.dtype) -> None:
-    for name, modifier in score_cases().items():
-        _parity("flex", dtype, LQ, LK, {"score_mod": modifier}, name)
+@pytest.mark.parametrize("name", list(score_cases()))
+def test_flex_matches_the_reference_for_every_modifier_alone(dtype: torch.dtype, name: str) -> None:
+    _parity("flex", dtype, LQ, LK, {"score_mod": score_cases()[name]}, name)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -167,7 +175,8 @@ def test_a_learnable_score_modifier_learns_through_flex_when_asked() -> None:
             report = qkv.explain_dispatch(
                 q.requires_grad_(), k, v, score_mod=relative, is_causal=True, enable_gqa=True
             )
-            assert report.backend == "tiled" and "gradient" in dict(report.reasons)["flex"]
+            assert report.backend == "tiled", str(report)
+            assert "gradient" in str(dict(report.reasons)["flex"]), str(report)
         out = qkv.scaled_dot_product_attention(
             q, k, v, score_mod=relative, is_causal=True, enable_gqa=True, backend=backend
         )

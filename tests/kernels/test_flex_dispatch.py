@@ -8,6 +8,7 @@ reason, as torch's do with ``debug=True``.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -18,6 +19,7 @@ import qkv
 from qkv import masks
 from qkv.attention import _backends
 from qkv.kernels import _sdpa_choice
+from qkv.kernels._api import closes_over_learnable
 from qkv.kernels._sdpa_choice import sdpa_kernel_choice
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -249,3 +251,57 @@ def test_the_mask_stand_in_has_the_shape_and_dtype_torch_would_get_and_no_memory
     )
     assert with_bias is not None
     assert (tuple(with_bias.shape), with_bias.dtype) == ((1, 4, 300, 300), torch.float32)
+
+
+LEARNED_TABLE = torch.zeros(4, 65, requires_grad=True)  # a module-level learned table
+
+
+@pytest.mark.usefixtures("on_cuda")
+@pytest.mark.parametrize(
+    "holder",
+    ["closure", "default", "global", "partial", "probe fails"],
+)
+def test_on_cuda_a_modifier_holding_a_learned_tensor_stays_off_flex(holder: str) -> None:
+    """Issue 30: on an H200, auto sent a learnable modifier to flex where the one-position
+    probe found no learned tensor. Reading what the modifier holds catches it wherever the
+    tensor is kept, also when the probe raises."""
+    table = torch.zeros(4, 65, requires_grad=True)
+
+    def closure(s: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return s + table[h, (kv - q).clamp(-32, 32) + 32]
+
+    def default(s: Any, b: Any, h: Any, q: Any, kv: Any, t: Any = table) -> Any:
+        return s + t[h, 0]
+
+    def by_global(s: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return s + LEARNED_TABLE[h, 0]
+
+    def shifted(t: Any, s: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return s + t[h, 0]
+
+    def probe_fails(s: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+        if s.numel() == 1:
+            raise ValueError("needs a whole block")
+        return s + table[h, 0]
+
+    modifier = {
+        "closure": closure,
+        "default": default,
+        "global": by_global,
+        "partial": functools.partial(shifted, table),
+        "probe fails": probe_fails,
+    }[holder]
+    q, k, v = _qkv()
+    report = qkv.explain_dispatch(q, k, v, score_mod=modifier, is_causal=True)
+    assert report.backend == "tiled", str(report)
+    assert "need a gradient" in dict(report.reasons)["flex"]
+
+
+def test_a_modifier_without_learned_tensors_is_not_taken_for_one() -> None:
+    fixed = torch.zeros(4, 65)  # no gradient
+    assert not closes_over_learnable(lambda s, b, h, q, kv: s + fixed[h, 0])
+    assert not closes_over_learnable(masks.softcap(30.0))
+    assert not closes_over_learnable(masks.alibi(4))
+    q = torch.zeros(1, requires_grad=True)  # the call's own query does not count
+    assert not closes_over_learnable(lambda s, b, h, qi, kv: s + q[0], exclude=(q,))
+    assert closes_over_learnable(masks.score_function(lambda s, b, h, qi, kv: s + q[0]))

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import array_api_compat.torch as torch_xp
+import numpy as np
 import pytest
 import torch
 
@@ -369,3 +370,35 @@ def test_a_rules_own_caches_do_not_change_its_key() -> None:
     used.dense(100, 100, xp=torch_xp)  # fills the document's tables for torch on the CPU
     masks.with_causal(used, True)  # and the mask's combinations
     assert fingerprint(used) == before == fingerprint(fresh)
+
+
+def test_ids_edited_in_place_change_the_key_though_read_many_times_per_key() -> None:
+    """A document rule reads its ids many times per key (queries and keys, every combined
+    rule); each buffer is hashed once per key (issue 30: hashing them again cost
+    milliseconds per call on an H200), and an edit in place still changes the key."""
+    ids = torch.tensor([0] * 150 + [1] * 150)
+    rule = masks.document(ids) & masks.causal()
+    before = fingerprint(rule)
+    assert fingerprint(masks.document(ids.clone()) & masks.causal()) == before
+    ids[100:] = 2  # the rule shares the tensor's memory
+    assert fingerprint(rule) != before
+    grid = np.arange(12).reshape(3, 4)  # one buffer read in two orders: two keys
+    same = masks.from_function(lambda b, h, q, kv: (grid[0, 0] + grid[0, 0]) > q, "same")
+    turned = grid.T
+    other = masks.from_function(lambda b, h, q, kv: (grid[0, 0] + turned[0, 0]) > q, "other")
+    assert fingerprint(same) != fingerprint(other)
+
+
+def test_compiled_flex_leaves_room_for_many_rules_and_never_lowers_the_limit() -> None:
+    """torch.compile's default of 8 compilations per function sent qkv's ninth rule to
+    uncompiled flex_attention: O(L²) memory and about 1 TFLOP/s on an H200 (issue 30)."""
+    import torch._dynamo.config as dynamo
+
+    _flex_masks.compiled_flex.cache_clear()
+    try:
+        with dynamo.patch(recompile_limit=8, accumulated_recompile_limit=100_000):
+            _flex_masks.compiled_flex(static=True)
+            assert dynamo.recompile_limit >= _flex_masks.RECOMPILE_LIMIT >= 256
+            assert dynamo.accumulated_recompile_limit == 100_000  # a higher one is kept
+    finally:
+        _flex_masks.compiled_flex.cache_clear()

@@ -259,14 +259,17 @@ def _sinks_need_grad(call: Call) -> bool:
 
 
 def _learnable(call: Call) -> bool:
-    """Whether the call's score modifier captures tensors that require grad."""
-    from qkv.kernels._api import captured_tensors
+    """Whether the call's score modifier captures tensors that require grad: found by
+    running it on one position, or held where its code can reach them."""
+    from qkv.kernels._api import captured_tensors, closes_over_learnable
 
     modifier = call.options.score_mod
     if modifier is None:
         return False
     exclude = (call.query, call.key, call.value, call.options.bias, call.options.sinks)
-    return bool(captured_tensors(modifier, call.query, exclude=exclude))
+    return closes_over_learnable(modifier, exclude=exclude) or bool(
+        captured_tensors(modifier, call.query, exclude=exclude)
+    )
 
 
 def _run_flex(call: Call) -> tuple[Array, Array | None]:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +22,7 @@ __all__ = [
     "HUGE_BIAS",
     "as_score_mod",
     "captured_tensors",
+    "closes_over_learnable",
     "huge_bias",
     "run_tiled",
     "tiled_attention",
@@ -249,6 +253,58 @@ def captured_tensors(
             found.setdefault(id(variable), variable)
         stack.extend(next_node for next_node, _ in node.next_functions)
     return tuple(found.values())
+
+
+def closes_over_learnable(
+    score_mod: object, *, exclude: tuple[torch.Tensor | None, ...] = (), depth: int = 0
+) -> bool:
+    """Whether ``score_mod`` holds a tensor that requires grad: in its closure, its defaults,
+    the module-level names its code reads, a ScoreMod's fields, or the lists, tuples and
+    dictionaries among them (``exclude``'s tensors do not count).
+
+    A check by reading, which the probe of :func:`captured_tensors` cannot replace: a
+    modifier that raises on a 1 × 1 block, or whose probe leaves no autograd graph, still
+    holds its learned tables. It answers "may learn" (a held tensor the output does not use
+    counts too), which is what dispatch needs to keep such a modifier off FlexAttention.
+
+    Example:
+        >>> table = torch.zeros(3, requires_grad=True)
+        >>> closes_over_learnable(lambda s, b, h, q, kv: s + table[0])
+        True
+        >>> closes_over_learnable(lambda s, b, h, q, kv: s * 0.5)
+        False
+    """
+    if depth > 16:
+        return False
+    skip = {id(t) for t in exclude if t is not None}
+
+    def inner(obj: object) -> bool:
+        return closes_over_learnable(obj, exclude=exclude, depth=depth + 1)
+
+    if isinstance(score_mod, torch.Tensor):
+        return bool(score_mod.requires_grad) and id(score_mod) not in skip
+    if isinstance(score_mod, ScoreMod):
+        return any(inner(value) for value in vars(score_mod).values())
+    if isinstance(score_mod, types.FunctionType):
+        cells = []
+        for cell in score_mod.__closure__ or ():
+            with contextlib.suppress(ValueError):  # a cell not filled yet
+                cells.append(cell.cell_contents)
+        names = [
+            score_mod.__globals__[name]
+            for name in score_mod.__code__.co_names
+            if name in score_mod.__globals__
+        ]
+        return any(inner(x) for x in (*cells, *(score_mod.__defaults__ or ()), *names))
+    if isinstance(score_mod, functools.partial):
+        return any(
+            inner(x) for x in (score_mod.func, *score_mod.args, *score_mod.keywords.values())
+        )
+    if isinstance(score_mod, list | tuple):
+        return any(inner(x) for x in score_mod)
+    if isinstance(score_mod, dict):
+        return any(inner(x) for x in score_mod.values())
+    return False
 
 
 def check_sinks(sinks: Any, query: torch.Tensor) -> torch.Tensor:

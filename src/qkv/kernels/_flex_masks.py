@@ -43,6 +43,7 @@ __all__ = [
     "compiled_flex",
     "fingerprint",
     "flex_block_mask",
+    "raise_recompile_limits",
     "run_flex",
     "torch_mask_mod",
     "torch_score_mod",
@@ -389,7 +390,7 @@ _SMALL_TENSOR = 1 << 16
 _DEPTH = 16
 
 
-def fingerprint(obj: object, depth: int = 0) -> Hashable:
+def fingerprint(obj: object) -> Hashable:
     """A cache key for a rule or modifier: equal for two that compute the same thing.
 
     qkv's modules build new rules at every call (``mask & causal()``, ``alibi(slopes)``,
@@ -399,8 +400,15 @@ def fingerprint(obj: object, depth: int = 0) -> Hashable:
     small CPU tensors (≤ 65,536 elements, no gradient) by content, modules by name, other
     tensors and objects by identity (a rule that reads an object's attributes is keyed by the
     object: give a new rule when they change). A rule's own caches
-    (:class:`qkv.masks.RuleCache`) are left out.
+    (:class:`qkv.masks.RuleCache`) are left out. An array that the rule reaches several
+    times (its query and key ids, views of one buffer) is hashed once per key.
     """
+    return _fingerprint(obj, 0, {})
+
+
+def _fingerprint(obj: object, depth: int, digests: dict[Hashable, bytes]) -> Hashable:
+    """:func:`fingerprint`, with the digests of the arrays met so far (by buffer address,
+    shape, strides and dtype: the same bytes within one call)."""
     if depth > _DEPTH:
         return _Same(obj)
     if obj is None or isinstance(obj, bool | int | float | str | bytes | torch.dtype):
@@ -408,7 +416,9 @@ def fingerprint(obj: object, depth: int = 0) -> Hashable:
     if isinstance(obj, torch.device):
         return ("device", str(obj))
     if isinstance(obj, Mask | ScoreMod):
-        parts = tuple((name, fingerprint(value, depth + 1)) for name, value in vars(obj).items())
+        parts = tuple(
+            (name, _fingerprint(value, depth + 1, digests)) for name, value in vars(obj).items()
+        )
         return (type(obj).__name__, parts)
     if isinstance(obj, types.FunctionType):
         cells: list[Hashable] = []
@@ -418,10 +428,10 @@ def fingerprint(obj: object, depth: int = 0) -> Hashable:
             except ValueError:  # a cell not filled yet
                 cells.append(("empty",))
                 continue
-            cells.append(fingerprint(contents, depth + 1))
-        defaults = fingerprint(obj.__defaults__, depth + 1)
+            cells.append(_fingerprint(contents, depth + 1, digests))
+        defaults = _fingerprint(obj.__defaults__, depth + 1, digests)
         names = tuple(
-            (name, fingerprint(obj.__globals__[name], depth + 1))
+            (name, _fingerprint(obj.__globals__[name], depth + 1, digests))
             for name in obj.__code__.co_names
             if name in obj.__globals__
         )
@@ -429,23 +439,33 @@ def fingerprint(obj: object, depth: int = 0) -> Hashable:
     if isinstance(obj, types.ModuleType):
         return ("module", obj.__name__)
     if isinstance(obj, list | tuple):
-        return (type(obj).__name__, tuple(fingerprint(x, depth + 1) for x in obj))
+        return (type(obj).__name__, tuple(_fingerprint(x, depth + 1, digests) for x in obj))
     if isinstance(obj, RuleCache):
         return ("cache",)
     if isinstance(obj, dict):
-        items = ((repr(key), fingerprint(value, depth + 1)) for key, value in obj.items())
+        items = ((repr(key), _fingerprint(value, depth + 1, digests)) for key, value in obj.items())
         return ("dict", tuple(sorted(items, key=lambda item: item[0])))
     if isinstance(obj, np.ndarray):
-        digest = hashlib.blake2b(np.ascontiguousarray(obj).tobytes(), digest_size=16)
-        return ("ndarray", obj.shape, str(obj.dtype), digest.digest())
+        where: Hashable = (
+            obj.__array_interface__["data"][0],
+            obj.shape,
+            obj.strides,
+            obj.dtype.str,
+        )
+        if where not in digests:
+            data = np.ascontiguousarray(obj).tobytes()
+            digests[where] = hashlib.blake2b(data, digest_size=16).digest()
+        return ("ndarray", obj.shape, str(obj.dtype), digests[where])
     if isinstance(obj, np.generic):
         return ("numpy", obj.item())
     if isinstance(obj, torch.Tensor):
         small = obj.numel() <= _SMALL_TENSOR and obj.device.type == "cpu"
         if small and not obj.requires_grad:
-            data = obj.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-            digest = hashlib.blake2b(data, digest_size=16)
-            return ("tensor", tuple(obj.shape), str(obj.dtype), digest.digest())
+            where = ("tensor", obj.data_ptr(), tuple(obj.shape), obj.stride(), str(obj.dtype))
+            if where not in digests:
+                data = obj.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                digests[where] = hashlib.blake2b(data, digest_size=16).digest()
+            return ("tensor", tuple(obj.shape), str(obj.dtype), digests[where])
         return _Same(obj)
     return _Same(obj)
 
@@ -454,13 +474,42 @@ BLOCK_MASKS = BlockMaskCache(CACHE_SIZE)
 """The cache the ``flex`` backend and :func:`qkv.flex_attention` use on CUDA."""
 
 
+# torch.compile keeps at most ``recompile_limit`` (8) compilations of one function, and every
+# new mask rule, score modifier, shape or dtype is one more: past it, torch runs
+# flex_attention uncompiled, which forms every score (O(L²) memory, ~1 TFLOP/s on an H200:
+# measured, docs/benchmarks.md). Compiled flex_attention is the one function qkv compiles,
+# so its limits are raised, once, to what a process with many rules needs.
+RECOMPILE_LIMIT = 1024
+ACCUMULATED_RECOMPILE_LIMIT = 8192
+
+
+def raise_recompile_limits() -> None:
+    """Raise torch.compile's recompilation limits to :data:`RECOMPILE_LIMIT` and
+    :data:`ACCUMULATED_RECOMPILE_LIMIT` (a higher limit is kept)."""
+    import torch._dynamo.config as dynamo
+
+    for name, least in (
+        ("recompile_limit", RECOMPILE_LIMIT),
+        ("accumulated_recompile_limit", ACCUMULATED_RECOMPILE_LIMIT),
+    ):
+        if hasattr(dynamo, name):
+            setattr(dynamo, name, max(int(getattr(dynamo, name)), least))
+
+
 @functools.cache
-def compiled_flex() -> Callable[..., Any]:
-    """torch's ``flex_attention`` under ``torch.compile`` (compiled on first use, then per new
-    shape, dtype, mask_mod or score_mod, as torch.compile does)."""
+def compiled_flex(static: bool = False) -> Callable[..., Any]:
+    """torch's ``flex_attention`` under ``torch.compile``, compiled on first use, then per
+    new shape, dtype, mask_mod or score_mod, with :func:`raise_recompile_limits`.
+
+    ``static``: one compilation per shape (``dynamic=False``), for the CPU: there, torch
+    2.13's C++ code for a dynamic-shape compilation (what torch.compile makes once a second
+    shape comes) does not compile (``cur_kvSplitSize`` undeclared). On CUDA the default,
+    dynamic after the second shape, spares a compilation per new length (decoding).
+    """
     from torch.nn.attention.flex_attention import flex_attention
 
-    compiled: Callable[..., Any] = torch.compile(flex_attention)
+    raise_recompile_limits()
+    compiled: Callable[..., Any] = torch.compile(flex_attention, dynamic=False if static else None)
     return compiled
 
 
@@ -489,7 +538,7 @@ def run_flex(
     Returns the output (B, H, Lq, Dv), and with ``return_lse`` also the natural log-sum-exp
     of each row (B, H, Lq), float32 (−inf for a row with no allowed key).
     """
-    flex = compiled_flex()
+    flex = compiled_flex(static=query.device.type == "cpu")
     arguments: dict[str, Any] = {
         "score_mod": score_mod,
         "block_mask": block_mask,
