@@ -51,7 +51,7 @@ from qkv.check._policy import (
     not_softmax,
 )
 from qkv.check._report import Finding, Report
-from qkv.check._words import Words
+from qkv.check._slip_words import SlipWords
 from qkv.examples import Claimed, Example, resolve
 from qkv.examples._model import decimals_of
 
@@ -129,7 +129,7 @@ def check(example: Example | str | os.PathLike[str]) -> Report:
     ratios = [1.0] * len(entries)
     exact = Sensitivity(setup, None, assumed, entries)
     claimed_steps = [s for s in STEPS if any(r.step == s for r in rows)]
-    words = Words(
+    words = SlipWords(
         example.tokens, setup, example.scale, correct, claimed_steps, example.queries_named
     )
     for step in STEPS:
@@ -242,7 +242,7 @@ def _apply_policy(
     )
 
 
-def _settle(row: _Row, words: Words) -> None:
+def _settle(row: _Row, words: SlipWords) -> None:
     """A row with no wrong number: ok, or a rounding note."""
     if ROUNDING in row.marks:
         row.status, row.diagnosis = "note", "rounding"
@@ -260,7 +260,7 @@ def _judge(
     entries: Sequence[Entry],
     exact: Sensitivity,
     ratios: Sequence[float],
-    words: Words,
+    words: SlipWords,
     assumed: Overrides,
 ) -> None:
     """Consequential or a mistake of its own (with a diagnosis), for the wrong rows of a step."""
@@ -341,7 +341,9 @@ def _normalised(row: _Row) -> tuple[str, ...]:
     return tuple(WRONG if o else m for o, m in zip(off, row.marks, strict=True))
 
 
-def _look_at_row(row: _Row, setup: Setup, printed: Sensitivity | None, words: Words) -> str | None:
+def _look_at_row(
+    row: _Row, setup: Setup, printed: Sensitivity | None, words: SlipWords
+) -> str | None:
     """The slips seen in the printed row itself: masked scores at the wrong keys, one digit
     wrong with the rest right, and (format 2) weights out of the order of their scores.
     Sets the diagnosis."""
@@ -383,7 +385,7 @@ def _look_at_row(row: _Row, setup: Setup, printed: Sensitivity | None, words: Wo
 
 
 def _mistake_message(
-    row: _Row, candidate: Candidate | None, printed: Sensitivity | None, words: Words
+    row: _Row, candidate: Candidate | None, printed: Sensitivity | None, words: SlipWords
 ) -> str:
     p = row.decimals
     if candidate is not None:

@@ -1,4 +1,7 @@
-"""The messages of a check, in the seeds' words: what went wrong and what the step should be."""
+"""What each row of a worked example is, in the seeds' words: the names of tokens, the
+scaling, the correct row with its numbers, and the sentences of arithmetic mistakes,
+consequential rows and rounding notes. :class:`~qkv.check._slip_words.SlipWords` adds what
+went wrong (the slips)."""
 
 from __future__ import annotations
 
@@ -9,33 +12,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from qkv._format import number
-from qkv.check._pipeline import (
-    HEADS_AVERAGED,
-    MASK_IGNORED,
-    MASK_INVERTED,
-    MISALIGNED,
-    NOT_SUMMED,
-    OTHER_WEIGHTS,
-    SCALED_BY_DK,
-    SCALED_BY_DMODEL,
-    SUM_NORMALISED,
-    SWAPPED,
-    TRANSPOSED,
-    UNSCALED,
-    WRONG_AXIS,
-    WRONG_QUERY,
-    Candidate,
-    Setup,
-    Values,
-    row_of,
-    slot_head,
-    step_of,
-)
+from qkv.check._pipeline import Setup, Values, row_of, slot_head, step_of
 from qkv.check._steps import words_of as _words_of
-from qkv.check._words2 import Format2Words
 from qkv.examples._model import decimals_of
 
-__all__ = ["Words"]
+__all__ = ["RowWords", "join_and", "vector"]
 
 _INPUTS = {
     "scores": ("Q", "K"),
@@ -56,31 +37,16 @@ def vector(values: Sequence[float] | np.ndarray, decimals: int) -> str:
     return "[" + ", ".join(number(float(v), decimals) for v in values) + "]"
 
 
-def _subject(step: str) -> str:
-    """How a sentence about one row of ``step`` starts: ``This query vector comes``,
-    ``These weights come``."""
-    words = _words_of(step)
-    if words.countable:
-        return f"This {words.singular} comes"
-    return f"These {words.short or words.plural} come"
-
-
-def _before_period(sentence: str, insert: str) -> str:
-    """Put ``insert`` before the sentence's last period (or at its end)."""
-    if insert and sentence.endswith("."):
-        return sentence[:-1] + insert + "."
-    return sentence + insert
-
-
-def _and(items: Sequence[str]) -> str:
+def join_and(items: Sequence[str]) -> str:
+    """``a, b and c``."""
     items = list(items)
     if len(items) <= 1:
         return "".join(items)
     return ", ".join(items[:-1]) + " and " + items[-1]
 
 
-class Words(Format2Words):
-    """Sentences about the rows of one example.
+class RowWords:
+    """Sentences about the rows of one example: what each row is and should be.
 
     Args:
         tokens: the example's tokens.
@@ -88,6 +54,7 @@ class Words(Format2Words):
         scale: the example's scale option (True, False or a number).
         correct: the correct values of every step.
         claimed_steps: the steps the example claims rows of.
+        queries: the names of the queries when they are not ``tokens`` (Lq ≠ Lk).
     """
 
     def __init__(
@@ -139,8 +106,10 @@ class Words(Format2Words):
         """``"the printed attention weights and value vectors"``."""
         nouns = [_words_of(s).noun(2) for s in self.printed_inputs(step)]
         if len(nouns) > 1 and all(n.endswith(" vectors") for n in nouns):
-            return "the printed " + _and([n.removesuffix(" vectors") for n in nouns]) + " vectors"
-        return "the printed " + _and(nouns)
+            return (
+                "the printed " + join_and([n.removesuffix(" vectors") for n in nouns]) + " vectors"
+            )
+        return "the printed " + join_and(nouns)
 
     # -- the scaling ---------------------------------------------------------------------
 
@@ -253,133 +222,6 @@ class Words(Format2Words):
             f"the weighted sum of the value vectors: c_{self.sub(t)} = {' + '.join(terms)} = {row}"
         )
 
-    # -- what went wrong -----------------------------------------------------------------
-
-    def slip(self, step: str, t: int, candidate: Candidate, decimals: int) -> str:
-        """What the slip was, in plain words (the message starts with this)."""
-        step = step_of(step)
-        printed = candidate.start == "claimed" and bool(self.printed_inputs(step))
-        if candidate.slip.code == OTHER_WEIGHTS:
-            return self.other_weights(t, candidate, printed)
-        if candidate.slip.code == NOT_SUMMED:
-            return self._not_summed(t, candidate, decimals, printed)
-        source = f" (from {self.from_printed(step)})" if printed else ""
-        return _before_period(self._at_slip(step, t, candidate), source)
-
-    def _slip_phrase(self, t: int, candidate: Candidate) -> str:
-        slip = candidate.slip
-        if slip.code == UNSCALED:
-            return f"scores that were not scaled: {self._left_out()}"
-        if slip.code == SCALED_BY_DK:
-            return f"scores divided by d_k = {self.setup.d_k}{self._instead_of_dk()}"
-        if slip.code == TRANSPOSED:
-            names = _and([f"{w}ᵀ" for w in slip.weights])
-            return f"{names} used instead of {_and(list(slip.weights))} (X·Wᵀ instead of X·W)"
-        if slip.code == WRONG_AXIS:
-            return (
-                "weights normalised over the queries (down each column) instead of over the "
-                "keys (along each row)"
-            )
-        if slip.code == SWAPPED:
-            return f"K·Qᵀ instead of Q·Kᵀ: scores of every query with the key of {self.label(t)}"
-        if slip.code == SCALED_BY_DMODEL:
-            d = self.setup.d_model
-            return (
-                f"scores divided by √d_model = √{d} instead of √d_head = √{self.setup.d_k} "
-                "(d_head = d_model / heads)"
-            )
-        if slip.code == SUM_NORMALISED:
-            return (
-                "scores divided by their row sum instead of going through softmax "
-                "(exponentiate, then divide by the sum of the exponentials)"
-            )
-        if slip.code in (MASK_IGNORED, MASK_INVERTED, MISALIGNED):
-            return self.mask_rule(slip.code)
-        if slip.code == HEADS_AVERAGED:
-            return (
-                "the heads' weights averaged and applied to all of V, instead of each head's "
-                "context computed on its own slice of V and the heads put side by side"
-            )
-        return (
-            f"the query vector of {self.label(slip.query)} used instead of that of {self.label(t)}"
-        )
-
-    def _instead_of_dk(self) -> str:
-        """What the scores should have been divided or multiplied by instead of 1/d_k."""
-        if self.scale is True:
-            return f" instead of by {self._sqrt_dk()}"
-        if self.scale is False:
-            return ", but this example does not scale the scores"
-        return f" instead of multiplied by the scale {self.scale:g}"
-
-    def _left_out(self) -> str:
-        if self.scale is True:
-            return f"the division by {self._sqrt_dk()} was left out"
-        return f"{self.proper_scaling()} was left out"
-
-    def _at_slip(self, step: str, t: int, candidate: Candidate) -> str:
-        """The slip said where it happens; in a later step, what the row comes from."""
-        slip = candidate.slip
-        who, s = self.label(t), self.sub(t)
-        if slip.code == UNSCALED and step == "scaled":
-            return f"These are the scores q_{s}·k_j themselves: {self._left_out()}."
-        if slip.code == UNSCALED and step == "weights":
-            return f"These weights are the softmax of unscaled scores: {self._left_out()}."
-        if slip.code == SCALED_BY_DK and step in ("scaled", "weights"):
-            what = (
-                "These scores were"
-                if step == "scaled"
-                else "These weights are the softmax of scores"
-            )
-            return f"{what} divided by d_k = {self.setup.d_k}{self._instead_of_dk()}."
-        if slip.code == TRANSPOSED and step in ("Q", "K", "V"):
-            letter = step.lower()
-            return (
-                f"This is x_{s}·W_{letter}ᵀ: W_{letter} was used transposed (the "
-                f"column-vector form {letter} = W·x mixed up with the row-vector form "
-                f"{letter} = x·W_{letter})."
-            )
-        if slip.code == WRONG_AXIS and step == "weights":
-            total = float(np.sum(row_of(candidate.values, "weights", t)))
-            return (
-                "The softmax was taken down each column (over the queries) instead of along "
-                f"the row (over the keys): this row sums to {number(total, 4)}, not 1."
-            )
-        if slip.code == SWAPPED and step == "scores":
-            return (
-                f"This row holds k_{s}·q_j, the scores of every query with the key of {who} "
-                "(a column of Q·Kᵀ): K·Qᵀ was computed instead of Q·Kᵀ."
-            )
-        if slip.code == WRONG_QUERY and step == "Q":
-            o = self.sub(slip.query)
-            return (
-                f"This is the query vector of {self.label(slip.query)}, x_{o}·W_q, not that "
-                f"of {who}."
-            )
-        return f"{_subject(step)} from {self._slip_phrase(t, candidate)}."
-
-    def _not_summed(self, t: int, candidate: Candidate, decimals: int, printed: bool) -> str:
-        slip = candidate.slip
-        q, j = slip.query, slip.key
-        weight = number(float(candidate.values["weights"][0, q, j]), 4)
-        if self.setup.heads > 1:
-            term = f"w_{self.sub(j)}·v_{self.sub(j)} (in each head)"
-        else:
-            term = f"{weight}·v_{self.sub(j)}"
-        value = vector(candidate.value, decimals)
-        if printed:
-            value += " (with the printed weight and value vector)"
-        if j == t and q != t:
-            return (
-                f"This is {term} = {value}, the term of {self.label(j)} in the weighted sum "
-                f"of the query {self.label(q)}, not a context vector: a context vector adds "
-                "up the terms w_j·v_j of every key."
-            )
-        return (
-            f"This is only {term} = {value}, one term of the weighted sum of "
-            f"{self.label(q)}: a context vector adds up the terms w_j·v_j of every key."
-        )
-
     def arithmetic(
         self,
         step: str,
@@ -427,9 +269,9 @@ class Words(Format2Words):
         parts = []
         for cause_step, rows in by_step.items():
             noun = _words_of(cause_step).noun(len(rows))
-            parts.append(f"the wrong {noun} of {_and([self.label(r) for r in rows])}")
+            parts.append(f"the wrong {noun} of {join_and([self.label(r) for r in rows])}")
         return (
-            f"Follows from {_and(parts)}: this step, done right on {self.from_printed(step)}, "
+            f"Follows from {join_and(parts)}: this step, done right on {self.from_printed(step)}, "
             f"gives {vector(value, p)}, as printed."
         )
 
