@@ -47,14 +47,16 @@ def check_attention(
     alignment: str = "top-left",
     timeout: float = 20.0,
     batched: bool = False,
+    num_kv_heads: int | None = None,
 ) -> FunctionReport:
     """Check an attention function; the report ``qkv check --function`` prints.
 
     Args:
         fn: the function, or ``"FILE.py:NAME"`` (loaded in a separate process).
         kind: ``"attention"`` (``fn(Q, K, V)`` or ``fn(Q, K, V, mask)``), ``"causal"``
-            (``fn(Q, K, V)``, causal) or ``"multi-head"``
-            (``fn(X, W_q, W_k, W_v, W_o, num_heads)``, row vectors).
+            (``fn(Q, K, V)``, causal), ``"multi-head"``
+            (``fn(X, W_q, W_k, W_v, W_o, num_heads)``, row vectors) or ``"gqa"``
+            (``fn(X, W_q, W_k, W_v, W_o, num_heads, num_kv_heads)``, grouped-query).
         mask_means: ``"allow"`` (True = may attend), ``"ignore"`` (True = masked out) or
             ``"additive"`` (0 or −inf, added to the scores).
         array: ``"auto"`` (NumPy, else torch tensors), ``"numpy"`` or ``"torch"``.
@@ -64,6 +66,8 @@ def check_attention(
         batched: also require batched inputs (B, H, L, d) to work (kinds attention and
             causal); a function that fails them is ``unbatched``. Without it, the probes are
             (L, d), and a function that only takes (B, H, L, d) is probed with B = H = 1.
+        num_kv_heads: kind multi-head only: grouped-query attention with the multi-head
+            signature; W_k and W_v hold this many key/value heads (1, 2, 4 or 8).
 
     Raises:
         FunctionError: the function cannot be loaded or called, crashed or timed out.
@@ -78,9 +82,16 @@ def check_attention(
             alignment=alignment,
             timeout=timeout,
             batched=batched,
+            num_kv_heads=num_kv_heads,
         )
     return _check_function(
-        fn, kind, mask_means=mask_means, array=array, alignment=alignment, batched=batched
+        fn,
+        kind,
+        mask_means=mask_means,
+        array=array,
+        alignment=alignment,
+        batched=batched,
+        num_kv_heads=num_kv_heads,
     )
 
 
@@ -93,6 +104,7 @@ def assert_attention(
     alignment: str = "top-left",
     timeout: float = 20.0,
     batched: bool = False,
+    num_kv_heads: int | None = None,
 ) -> None:
     """Assert that ``fn`` computes attention; the failure message names each slip and says
     what the step should have been (the arguments of :func:`check_attention`).
@@ -109,6 +121,7 @@ def assert_attention(
         alignment=alignment,
         timeout=timeout,
         batched=batched,
+        num_kv_heads=num_kv_heads,
     )
     if not report.ok:
         wrong = [f for f in report.findings if f.wrong]

@@ -3,7 +3,7 @@ named by its code, a correct function gets no finding, and a file that cannot be
 forever or crashes is a one-line error with exit status 2.
 
 The buggy functions below are written the way students write them (one slip each), not taken
-from the slip table they are diagnosed against (``qkv.check._probes.SLIPS``).
+from the slip table they are diagnosed against (``qkv.check._function_slips.CODES``).
 """
 
 from __future__ import annotations
@@ -232,8 +232,12 @@ def test_each_slip_is_named_by_its_code(kind: str, fn: Fn, code: str) -> None:
 
 
 def test_every_function_code_has_a_buggy_function_here() -> None:
-    # unbatched and batched inputs: test_function_probes.py
+    # unbatched and batched inputs: test_function_probes.py; the bugs of issue 26 and
+    # grouped-query attention: test_function_codes.py
+    from tests.check.test_function_codes import NEW_SLIPS
+
     tested = {code for _, _, code in SLIPPED} | {"masked-row-nan", "unbatched"}
+    tested |= {code for _, _, code, _ in NEW_SLIPS}
     assert tested == set(FUNCTION_DIAGNOSES)
 
 

@@ -15,11 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from qkv._format import markdown_escape, number
 from qkv.check._findings import ReportData
-from qkv.check._function_diagnose import FUNCTION_DIAGNOSES, diagnose
+from qkv.check._function_diagnose import diagnose
 from qkv.check._function_run import (
     ARRAYS,
     FunctionError,
@@ -28,6 +26,8 @@ from qkv.check._function_run import (
     takes_mask,
     validate,
 )
+from qkv.check._function_slips import FUNCTION_DIAGNOSES
+from qkv.check._probes import KV_HEADS, Spec
 
 __all__ = [
     "ARRAYS",
@@ -44,21 +44,15 @@ class FunctionReport(ReportData):
     """The check of an attention function: a finding per mistake (none when it is right).
 
     Attributes (besides :class:`~qkv.check._findings.ReportData`'s):
-        kind: ``attention``, ``causal`` or ``multi-head``.
+        kind: ``attention``, ``causal``, ``multi-head`` or ``gqa``.
         array: the array library it was probed with (``numpy`` or ``torch``).
+
+    Its JSON (:meth:`to_dict`, :meth:`to_json`) is that of ``qkv check``: a number that is not
+    finite (NaN, inf, as a function may return) is ``null``.
     """
 
     kind: str = "attention"
     array: str = "numpy"
-
-    def to_dict(self) -> dict[str, Any]:
-        """``{"ok": bool, "findings": [...]}``, the schema of ``qkv check``; a number that is
-        not finite (inf, NaN) is ``null``."""
-        data = super().to_dict()
-        for f in data["findings"]:
-            f["claimed"] = [x if np.isfinite(x) else None for x in f["claimed"]]
-            f["expected"] = [x if np.isfinite(x) else None for x in f["expected"]]
-        return data
 
     def to_json(self, *, indent: int | None = 2) -> str:
         """The report as JSON (ending with a newline)."""
@@ -79,6 +73,7 @@ class FunctionReport(ReportData):
             lines.append(f"{mark} {f.status}: {f.diagnosis} · probe {f.token!r}, row {f.position}")
             if f.printed:
                 lines.append("    returned: " + ", ".join(f.printed))
+            if f.expected:
                 lines.append("    correct:  " + ", ".join(number(x, 4) for x in f.expected))
             lines += textwrap.wrap(f.message, width, initial_indent="  ", subsequent_indent="  ")
         return "\n".join(lines) + "\n"
@@ -94,12 +89,13 @@ class FunctionReport(ReportData):
             mark = "✗" if f.wrong else "~"
             out += [f"## {mark} {f.status}: `{f.diagnosis}`", ""]
             out += [f"Probe {markdown_escape(f.token)}, row {f.position}.", ""]
-            if f.printed:
+            if f.expected:
+                rows = [("returned", f.printed)] if f.printed else []
+                rows.append(("correct", tuple(number(x, 4) for x in f.expected)))
                 out += [
-                    "| | " + " | ".join(f"d{i + 1}" for i in range(len(f.printed))) + " |",
-                    "|:--" + "|--:" * len(f.printed) + "|",
-                    "| returned | " + " | ".join(f.printed) + " |",
-                    "| correct | " + " | ".join(number(x, 4) for x in f.expected) + " |",
+                    "| | " + " | ".join(f"d{i + 1}" for i in range(len(f.expected))) + " |",
+                    "|:--" + "|--:" * len(f.expected) + "|",
+                    *(f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows),
                     "",
                 ]
             out += [markdown_escape(f.message), ""]
@@ -124,6 +120,39 @@ class FunctionReport(ReportData):
         sys.stdout.write(self.text(width=getattr(console, "width", None) or 80))
 
 
+def spec_of(
+    kind: str, *, with_mask: bool, alignment: str, num_kv_heads: int | None, causal: bool = False
+) -> Spec:
+    """What a function is checked as (``causal``: a causal attention class).
+
+    Raises:
+        ValueError: ``num_kv_heads`` with a kind other than multi-head, or not one of 1, 2, 4, 8.
+    """
+    if num_kv_heads is not None:
+        if kind != "multi-head":
+            raise ValueError(
+                f"num_kv_heads goes with kind multi-head, got kind {kind!r}. Hint: kind 'gqa' "
+                "passes num_kv_heads to the function itself"
+            )
+        if num_kv_heads not in KV_HEADS:
+            raise ValueError(
+                f"num_kv_heads must be one of {', '.join(map(str, KV_HEADS))} (the probes have "
+                f"d_model 16), got {num_kv_heads!r}. Hint: num_kv_heads=2"
+            )
+    return Spec(
+        kind,
+        with_mask=with_mask,
+        causal=causal or kind == "causal",
+        alignment=alignment,
+        num_kv_heads=num_kv_heads,
+    )
+
+
+def lifted(used: str) -> bool:
+    """Whether the probes were given as (1, 1, L, d) (``run_probes`` says so in ``used``)."""
+    return used.endswith("(1, 1, L, d)")
+
+
 def check_function(
     fn: Callable[..., Any],
     kind: str = "attention",
@@ -133,21 +162,28 @@ def check_function(
     alignment: str = "top-left",
     name: str | None = None,
     batched: bool = False,
+    num_kv_heads: int | None = None,
 ) -> FunctionReport:
     """Check an attention function in this process (no time limit): which slip it makes.
 
     ``batched`` adds a probe with leading (B, H) axes: a function right on (L, d) inputs but
     not on (B, H, L, d) ones is then a mistake, ``unbatched`` (kinds attention and causal).
+    ``num_kv_heads`` (kind multi-head): grouped-query attention with the multi-head
+    signature, W_k and W_v for that many key/value heads.
 
     Raises:
         FunctionError: it cannot be called on the first probe.
-        ValueError: an unknown kind, mask meaning, array library or alignment.
+        ValueError: an unknown kind, mask meaning, array library or alignment, or a
+            ``num_kv_heads`` that does not fit.
     """
     validate(kind, mask_means, array, alignment)
-    used, outcomes = run_probes(fn, kind, mask_means=mask_means, array=array, batched=batched)
-    findings = diagnose(
-        kind, outcomes, with_mask=takes_mask(fn, kind), alignment=alignment, batched=batched
+    spec = spec_of(
+        kind, with_mask=takes_mask(fn, kind), alignment=alignment, num_kv_heads=num_kv_heads
     )
+    used, outcomes = run_probes(
+        fn, kind, mask_means=mask_means, array=array, batched=batched, num_kv_heads=num_kv_heads
+    )
+    findings = diagnose(spec, outcomes, lifted=lifted(used), batched=batched)
     title = name or getattr(fn, "__qualname__", None) or repr(fn)
     return FunctionReport(
         name=title, source=None, tokens=(), findings=tuple(findings), kind=kind, array=used
@@ -163,11 +199,12 @@ def check_function_file(
     alignment: str = "top-left",
     timeout: float = 20.0,
     batched: bool = False,
+    num_kv_heads: int | None = None,
 ) -> FunctionReport:
     """Check the function ``FILE.py:NAME`` in a separate process with a time limit.
 
-    Loading the file runs its code, as ``python FILE.py`` would. ``batched`` as in
-    :func:`check_function`.
+    Loading the file runs its code, as ``python FILE.py`` would. ``batched`` and
+    ``num_kv_heads`` as in :func:`check_function`.
 
     Raises:
         FunctionError: the file or function cannot be loaded or called, the process crashed,
@@ -175,10 +212,18 @@ def check_function_file(
         ValueError: an unknown kind, mask meaning, array library or alignment.
     """
     validate(kind, mask_means, array, alignment)
+    spec_of(kind, with_mask=False, alignment=alignment, num_kv_heads=num_kv_heads)
     path, name, used, with_mask, outcomes = run_file(
-        target, kind, mask_means=mask_means, array=array, timeout=timeout, batched=batched
+        target,
+        kind,
+        mask_means=mask_means,
+        array=array,
+        timeout=timeout,
+        batched=batched,
+        num_kv_heads=num_kv_heads,
     )
-    findings = diagnose(kind, outcomes, with_mask=with_mask, alignment=alignment, batched=batched)
+    spec = spec_of(kind, with_mask=with_mask, alignment=alignment, num_kv_heads=num_kv_heads)
+    findings = diagnose(spec, outcomes, lifted=lifted(used), batched=batched)
     return FunctionReport(
         name=f"{name} in {path}",
         source=str(path),

@@ -1,59 +1,31 @@
 """The diagnosis of ``qkv check --function``: which slip an attention function makes.
 
 What the function returned on each probe (:class:`~qkv.check._function_run.Outcome`) is
-compared with the correct attention and with each slip of :data:`~qkv.check._probes.SLIPS`,
-computed in NumPy float64. The first slip that reproduces every main probe names the mistake;
-the probe with large scores catches a softmax without max-subtraction, the probe with a
+compared with the correct attention and with each slip of
+:func:`~qkv.check._function_slips.slips_of`, computed in NumPy float64. Outputs that change
+between two calls on the same inputs are dropout left on; otherwise the first slip that
+reproduces every main probe names the mistake; the probe with large scores catches a softmax
+without max-subtraction (when the same rows are finite at ordinary scores), the probe with a
 fully masked row a NaN (a note).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import numpy as np
 from numpy.typing import NDArray
 
 from qkv._format import number
-from qkv.check._findings import DIAGNOSES, Finding
+from qkv.check._findings import Finding
 from qkv.check._function_run import Outcome
-from qkv.check._probes import ORDER_SCORES, SLIPS, Probe, causal_allow, per_slice, probes
+from qkv.check._function_slips import FUNCTION_DIAGNOSES, Tried, slips_of
+from qkv.check._probes import ORDER_SCORES, Probe, Spec, causal_allow, per_slice, probes
 
 __all__ = ["FUNCTION_DIAGNOSES", "diagnose"]
 
 Array = NDArray[np.float64]
-
-FUNCTION_DIAGNOSES = {
-    "unscaled": "the scores are not divided by √d_k before the softmax; attention is "
-    "softmax(Q·Kᵀ/√d_k)·V",
-    "scaled-by-dk": "the scores are divided by d_k instead of √d_k",
-    "scaled-by-dmodel": DIAGNOSES["scaled-by-dmodel"],
-    "transposed-weights": "X·Wᵀ instead of X·W: with row vectors, Q = X·W_q (the same for K, "
-    "V and the output W_o)",
-    "softmax-wrong-axis": "softmax over the queries (axis -2) instead of over the keys: each "
-    "row of weights, one per query, must sum to 1 (softmax over the last axis)",
-    "query-key-swapped": "K·Qᵀ instead of Q·Kᵀ: row i of the scores must hold query i's "
-    "scores against every key",
-    "sum-normalised": DIAGNOSES["sum-normalised"],
-    "mask-ignored": DIAGNOSES["mask-ignored"],
-    "mask-inverted": DIAGNOSES["mask-inverted"],
-    "causal-misaligned": DIAGNOSES["causal-misaligned"],
-    "not-softmax": "the weights are not a softmax of the scores: each row must be "
-    "exp(s_j) / Σ exp(s), so a larger score always gets a larger weight, in a fixed ratio "
-    "e^(s_j − s_k)",
-    "heads-averaged": DIAGNOSES["heads-averaged"],
-    "no-max-subtraction": "softmax overflows to inf or NaN at large scores: subtract each "
-    "row's maximum score before exp (softmax does not change)",
-    "masked-row-nan": "a fully masked row gives NaN; qkv's policy gives it zero weights and a "
-    "zero context (a note, not an error)",
-    "unbatched": "right on (L, d) inputs but not on batched (B, H, L, d) inputs: use "
-    "K.swapaxes(-1, -2) (NumPy) or K.transpose(-2, -1) (torch) instead of K.T, take d_k as "
-    "Q.shape[-1], and take the softmax over the last axis",
-    "unrecognised": "the outputs are not attention's and match none of the known slips",
-}
-"""Each code ``--function`` can report, with its sentence: what is wrong and what it should be.
-Codes a worked example can show too share :data:`~qkv.check.DIAGNOSES`'s sentence; the others
-say it in terms of code (axes, ``K.T``)."""
 
 _RTOL = 1e-4
 _ATOL = 1e-6
@@ -101,6 +73,10 @@ def _first_wrong_row(got: Array, want: Array) -> int:
     return 0
 
 
+def _numbers(row: Array) -> str:
+    return "[" + ", ".join(number(float(x), 4) for x in np.atleast_1d(row)) + "]"
+
+
 def _noun(probe: Probe, step: str) -> str:
     return "weights" if step == "weights" else "output" if probe.num_heads > 1 else "context"
 
@@ -127,6 +103,11 @@ def _finding(
                 claimed = tuple(float(x) for x in value[r])
                 expected = tuple(float(x) for x in target[r])
             row = r
+    elif want is not None and got.error is not None:  # it raised: the first correct row
+        target = want[1] if step == "weights" else want[0]
+        if target.ndim == 2:
+            row = row or 0
+            expected = tuple(float(x) for x in target[row])
     what = f"On the probe {probe.name!r}"
     if want is None and value is not None:
         what += f", row {row} of the {_noun(probe, step)} is not a number (NaN or inf)"
@@ -153,7 +134,7 @@ def _finding(
         message=message,
         marks=tuple(
             "ok" if np.isclose(c, e, rtol=_RTOL, atol=_ATOL) else "wrong"
-            for c, e in zip(claimed, expected, strict=True)
+            for c, e in zip(claimed, expected, strict=False)
         ),
     )
 
@@ -162,19 +143,21 @@ def _weights_findings(
     all_probes: Sequence[Probe],
     outcomes: Sequence[Outcome],
     main: Sequence[int],
-    slips: Sequence[tuple[str | None, Callable[[Probe], tuple[Array, Array]]]],
-    expected: dict[str | None, list[tuple[Array, Array] | None]],
+    tried: Sequence[Tried],
+    expected: Sequence[Sequence[tuple[Array, Array] | None]],
 ) -> list[Finding]:
     """A finding when the context is right but the returned weights are not."""
     for j, i in enumerate(main):
-        got, want = outcomes[i], expected[None][j]
+        got, want = outcomes[i], expected[0][j]
         if got.weights is None or want is None or _agrees(got, want, weights=True):
             continue
-        code = next(
-            (c for c, _ in slips if c and _agrees(got, expected[c][j], weights=True)),
-            "unrecognised",
+        k = next(
+            (k for k in range(1, len(tried)) if _agrees(got, expected[k][j], weights=True)), None
         )
-        return [_finding(code, all_probes[i], got, want, step="weights")]
+        code = "unrecognised" if k is None else tried[k].code
+        assert code is not None
+        extra = "" if k is None else tried[k].detail
+        return [_finding(code, all_probes[i], got, want, step="weights", extra=extra)]
     return []
 
 
@@ -199,52 +182,94 @@ def _not_softmax(probe: Probe, got: Outcome, allow: NDArray[np.bool_]) -> bool:
     return False
 
 
-def _order_allow(kind: str, probe: Probe, alignment: str) -> NDArray[np.bool_]:
-    if kind == "causal":
+def _order_allow(spec: Spec, probe: Probe) -> NDArray[np.bool_]:
+    if spec.causal:
         lq, lk = ORDER_SCORES.shape
-        return causal_allow(lq, lk, alignment)
+        return causal_allow(lq, lk, spec.alignment)
     return probe.allow if probe.allow is not None else np.ones(ORDER_SCORES.shape, dtype=bool)
 
 
+def _changed(first: Outcome, again: Outcome) -> int | None:
+    """The first row whose numbers differ between two calls on the same inputs, or None."""
+    if first.context is None or again.context is None or first.context.shape != again.context.shape:
+        return None
+    a, b = first.context, again.context
+    with np.errstate(invalid="ignore"):
+        same = np.isclose(a, b, rtol=1e-9, atol=1e-12) | (np.isnan(a) & np.isnan(b))
+    if same.all():
+        return None
+    return int(np.argwhere(~same)[0][0]) if a.ndim >= 1 else 0
+
+
+def _overflows(got: Outcome, base: Outcome, want: tuple[Array, Array]) -> int | None:
+    """The first row that is not a number on the large probe while the slip's is, and the
+    same row is a number at ordinary scores (a row with no allowed key is NaN at any scale:
+    that is no overflow)."""
+    assert got.context is not None
+    bad = ~np.isfinite(got.context) & np.isfinite(want[0])
+    if base.context is not None and base.context.shape == got.context.shape:
+        bad &= np.isfinite(base.context)
+    return int(np.argwhere(bad)[0][0]) if bad.any() else None
+
+
 def diagnose(
-    kind: str,
-    outcomes: Sequence[Outcome],
-    *,
-    with_mask: bool,
-    alignment: str = "top-left",
-    batched: bool = False,
+    spec: Spec, outcomes: Sequence[Outcome], *, lifted: bool = False, batched: bool = False
 ) -> list[Finding]:
-    """The findings about a function from its outcomes on the probes of ``kind``."""
-    all_probes = probes(kind, with_mask=with_mask, batched=batched)
-    slips = [(code, make(alignment)) for code, make in SLIPS[kind]]
-    correct = slips[0][1]
+    """The findings about a function from its outcomes on the probes of ``spec``.
+
+    Args:
+        spec: what the function is checked as.
+        outcomes: what it returned on each probe of ``probes(spec.kind, ...)``, in order.
+        lifted: the probes were given with two leading axes of 1, (1, 1, L, d): a slip that
+            depends on the number of axes (``scaled-by-ndim``) sees 4.
+        batched: the probes include the batched one.
+    """
+    all_probes = probes(
+        spec.kind, with_mask=spec.with_mask, batched=batched, num_kv_heads=spec.num_kv_heads
+    )
+    if lifted:
+        all_probes = tuple(dataclasses.replace(p, seen_ndim=4) for p in all_probes)
+    for i, probe in enumerate(all_probes):
+        if probe.role == "repeat":
+            row = _changed(outcomes[probe.base], outcomes[i])
+            if row is not None:
+                first, again = outcomes[probe.base], outcomes[i]
+                assert first.context is not None and again.context is not None
+                twice = (
+                    f"Two calls gave row {row} as {_numbers(first.context[row])} and then "
+                    f"{_numbers(again.context[row])}."
+                )
+                right_row = _slipped(slips_of(spec)[0].slip, probe)
+                return [
+                    _finding("dropout-at-inference", probe, again, right_row, row=row, extra=twice)
+                ]
+    tried = slips_of(spec)
     main = [i for i, p in enumerate(all_probes) if p.role == "main"]
     findings: list[Finding] = []
-    expected = {code: [_slipped(s, all_probes[i]) for i in main] for code, s in slips}
+    expected = [[_slipped(t.slip, all_probes[i]) for i in main] for t in tried]
     fits = [
-        code
-        for code, _ in slips
-        if all(_agrees(outcomes[i], expected[code][j]) for j, i in enumerate(main))
+        k
+        for k in range(len(tried))
+        if all(_agrees(outcomes[i], expected[k][j]) for j, i in enumerate(main))
     ]
-    right = None in fits
-    by_code = dict(slips)
-    slip = correct
+    right = 0 in fits
+    chosen = 0
     if not right:
-        code = next((c for c in fits if c is not None), "unrecognised")
+        chosen = next((k for k in fits if k != 0), 0)
+        code = tried[chosen].code or "unrecognised"
         if code == "unrecognised":
             order = [i for i, p in enumerate(all_probes) if p.name == "known score order"]
             for i in order:
-                if _not_softmax(
-                    all_probes[i], outcomes[i], _order_allow(kind, all_probes[i], alignment)
-                ):
+                if _not_softmax(all_probes[i], outcomes[i], _order_allow(spec, all_probes[i])):
                     code = "not-softmax"
-        slip = by_code.get(code, correct)
-        j, i = next(
-            (j, i) for j, i in enumerate(main) if not _agrees(outcomes[i], expected[None][j])
+        j, i = next((j, i) for j, i in enumerate(main) if not _agrees(outcomes[i], expected[0][j]))
+        findings.append(
+            _finding(code, all_probes[i], outcomes[i], expected[0][j], extra=tried[chosen].detail)
         )
-        findings.append(_finding(code, all_probes[i], outcomes[i], expected[None][j]))
-    elif kind != "multi-head":
-        findings += _weights_findings(all_probes, outcomes, main, slips, expected)
+    elif not spec.multi:
+        findings += _weights_findings(all_probes, outcomes, main, tried, expected)
+    slip = tried[chosen].slip
+    correct = tried[0].slip
     for i, probe in enumerate(all_probes):
         got = outcomes[i]
         if probe.role == "batched" and right:
@@ -263,9 +288,8 @@ def diagnose(
                 continue
             if got.context.shape != want[0].shape:
                 continue
-            bad = ~np.isfinite(got.context) & np.isfinite(want[0])
-            if bad.any():
-                row = int(np.argwhere(bad)[0][0])
+            row = _overflows(got, outcomes[probe.base], want)
+            if row is not None:
                 findings.append(_finding("no-max-subtraction", probe, got, want, row=row))
             elif right and not _agrees(got, want, rtol=_LARGE_RTOL):
                 findings.append(_finding("unrecognised", probe, got, want))

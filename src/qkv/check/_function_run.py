@@ -89,8 +89,10 @@ def takes_mask(fn: Callable[..., Any], kind: str) -> bool:
 
 def _arguments(probe: Probe, kind: str, with_mask: bool, mask_means: str) -> list[Any]:
     args: list[Any] = list(probe.arrays)
-    if kind == "multi-head":
+    if kind in ("multi-head", "gqa"):
         args.append(probe.num_heads)
+        if kind == "gqa":
+            args.append(probe.kv_heads)
     elif with_mask and probe.allow is not None:
         if mask_means == "allow":
             args.append(probe.allow.copy())
@@ -143,8 +145,10 @@ def run_probes(
     mask_means: str = "allow",
     array: str = "auto",
     batched: bool = False,
+    num_kv_heads: int | None = None,
 ) -> tuple[str, list[Outcome]]:
-    """Call ``fn`` on every probe of ``kind``: the array library used and the outcomes.
+    """Call ``fn`` on every probe of ``kind``: the array library used and the outcomes
+    (``num_kv_heads``: multi-head probes with that many key/value heads).
 
     The probes are (L, d) arrays. A function that only takes batched (B, H, L, d) inputs is
     probed with B = H = 1 (two leading axes added, removed from what it returns): then the
@@ -155,13 +159,13 @@ def run_probes(
             torch tensors, as (L, d) and as (1, 1, L, d).
     """
     with_mask = takes_mask(fn, kind)
-    all_probes = probes(kind, with_mask=with_mask, batched=batched)
+    all_probes = probes(kind, with_mask=with_mask, batched=batched, num_kv_heads=num_kv_heads)
     first = _arguments(all_probes[0], kind, with_mask, mask_means)
     libraries = (
         ["torch"] if array == "torch" else ["numpy", "torch"] if array == "auto" else ["numpy"]
     )
     tries: list[tuple[str, bool, Outcome]] = []
-    for lead in (False, True) if kind != "multi-head" else (False,):
+    for lead in (False, True) if kind not in ("multi-head", "gqa") else (False,):
         for library in libraries:
             args = _leading(first) if lead else first
             try:
@@ -207,6 +211,8 @@ _SIGNATURES = {
     "attention": "NAME(Q, K, V) or NAME(Q, K, V, mask) returning the context or (context, weights)",
     "causal": "NAME(Q, K, V), causal attention, returning the context or (context, weights)",
     "multi-head": "NAME(X, W_q, W_k, W_v, W_o, num_heads) returning the output or "
+    "(output, weights)",
+    "gqa": "NAME(X, W_q, W_k, W_v, W_o, num_heads, num_kv_heads) returning the output or "
     "(output, weights)",
 }
 
@@ -261,11 +267,16 @@ def load_function(path: Path, name: str) -> Callable[..., Any]:
 
 def _child_main() -> None:
     """The separate process: load the file, call the function on the probes, write JSON."""
-    path, name, kind, mask_means, array, batched, out = sys.argv[1:8]
+    path, name, kind, mask_means, array, batched, kv_heads, out = sys.argv[1:9]
     try:
         fn = load_function(Path(path), name)
         used, outcomes = run_probes(
-            fn, kind, mask_means=mask_means, array=array, batched=batched == "batched"
+            fn,
+            kind,
+            mask_means=mask_means,
+            array=array,
+            batched=batched == "batched",
+            num_kv_heads=int(kv_heads) or None,
         )
         data: dict[str, Any] = {
             "array": used,
@@ -286,9 +297,17 @@ def _child_main() -> None:
 
 
 def run_file(
-    target: str, kind: str, *, mask_means: str, array: str, timeout: float, batched: bool = False
+    target: str,
+    kind: str,
+    *,
+    mask_means: str,
+    array: str,
+    timeout: float,
+    batched: bool = False,
+    num_kv_heads: int | None = None,
 ) -> tuple[Path, str, str, bool, list[Outcome]]:
-    """Run ``FILE.py:NAME`` on the probes of ``kind`` in a separate process.
+    """Run ``FILE.py:NAME`` on the probes of ``kind`` in a separate process (the arguments of
+    :func:`run_probes`).
 
     Returns the path, the function's name, the array library used, whether it takes a mask,
     and the outcomes.
@@ -305,7 +324,7 @@ def run_file(
             "-c",
             "from qkv.check._function_run import _child_main; _child_main()",
             str(path), name, kind, mask_means, array,
-            "batched" if batched else "single", str(out),
+            "batched" if batched else "single", str(num_kv_heads or 0), str(out),
         ]  # fmt: skip
         try:
             done = subprocess.run(

@@ -16,7 +16,7 @@ import argparse
 from qkv.cli._common import Command, CommandError, add_output_options, emit
 
 _FORMATS = ("text", "markdown", "json")  # qkv.check.FORMATS, without importing it for --help
-_KINDS = ("attention", "causal", "multi-head")  # qkv.check._probes.KINDS
+_KINDS = ("attention", "causal", "multi-head", "gqa")  # qkv.check._probes.KINDS
 _MASK_MEANINGS = ("allow", "ignore", "additive")
 _ARRAYS = ("auto", "numpy", "torch")
 _ALIGNMENTS = ("top-left", "bottom-right")
@@ -56,7 +56,16 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         choices=_KINDS,
         default="attention",
         help="attention: NAME(Q, K, V) or NAME(Q, K, V, mask); causal: NAME(Q, K, V) is causal; "
-        "multi-head: NAME(X, W_q, W_k, W_v, W_o, num_heads), row vectors (default: attention)",
+        "multi-head: NAME(X, W_q, W_k, W_v, W_o, num_heads), row vectors; gqa: "
+        "NAME(X, W_q, W_k, W_v, W_o, num_heads, num_kv_heads), grouped-query (default: "
+        "attention)",
+    )
+    group.add_argument(
+        "--num-kv-heads",
+        type=int,
+        metavar="N",
+        help="with --kind multi-head: grouped-query attention with the multi-head signature; "
+        "W_k and W_v hold N key/value heads (1, 2, 4 or 8)",
     )
     group.add_argument(
         "--mask-means",
@@ -113,6 +122,7 @@ def _run_function(args: argparse.Namespace) -> int:
         alignment=args.causal_alignment,
         timeout=args.timeout,
         batched=args.batched,
+        num_kv_heads=args.num_kv_heads,
     )
     emit(args, lambda width: report.render(args.format, width=width), report.print)
     return 0 if report.ok else 1
