@@ -2,7 +2,8 @@
 
 The example files are read with PyYAML's node API, so that every printed number keeps its
 text (``1.10`` has two decimals, ``6.3379e-02`` six); attention is recomputed from the
-example's inputs in NumPy float64, per head. Never imports qkv.
+example's inputs in NumPy float64, per head, and for printouts of float32 code also in
+NumPy float32 (:meth:`Example.forward_in`). Never imports qkv.
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ class Example:
         self.d_k_opt = opts["d_k"].value if "d_k" in opts else None
         self.mask = self._mask(opts, n_q, n_keys)
         self.precision = data.get("precision")
+        self.dtype: str | None = data.get("dtype")
 
     def _mask(self, opts: dict[str, Any], lq: int, lk: int) -> np.ndarray:
         allowed = np.ones((lq, lk), dtype=bool)
@@ -181,6 +183,13 @@ class Example:
             out["output"] = out["context"] @ x["W_o"] if "W_o" in x else out["context"]
         return out
 
+    def forward_in(self, dtype: str) -> Any:
+        """Every step computed in ``dtype`` (float32 or float16) from the inputs rounded to
+        it, as NumPy computes in that format: what code in that format prints."""
+        kind = {"float32": np.float32, "float16": np.float16}[dtype]
+        with np.errstate(over="ignore", invalid="ignore"):  # e^s of a large score: inf
+            return self.forward({k: v.astype(kind) for k, v in self.inputs.items()})
+
     def band(self) -> Any:
         """First-order effect of inputs printed rounded, per step (0 without ``precision``)."""
         base = self.forward(self.inputs)
@@ -235,7 +244,7 @@ def softmax_rows(s: np.ndarray) -> Any:
     finite = np.isfinite(s)
     m = np.where(
         finite.any(axis=1, keepdims=True),
-        np.max(np.where(finite, s, -1e308), axis=1, keepdims=True),
+        np.max(np.where(finite, s, -np.inf), axis=1, keepdims=True),
         0.0,
     )
     e = np.where(finite, np.exp(np.where(finite, s - m, 0.0)), 0.0)

@@ -17,6 +17,11 @@ Rules, written down once and applied to every file:
 - Inputs declared printed rounded (``precision:``) widen every reference by the first-order
   effect of that rounding (half a unit on each input number, the effects added up).
 - Minus infinity, or a number ≤ −10⁴, is the printed form of a masked score.
+- Numbers printed by float32 code: the step is also recomputed in NumPy float32 (from the
+  inputs rounded to float32), and a number within the references widened by
+  :data:`FLOAT_ULPS` float32 units in its last place of them is float32 rounding. A file that
+  says ``dtype: float32`` (or float16) is right there; a file that says nothing gets a
+  rounding note; ``dtype: float64`` holds every printed digit (no such widening).
 - A mistake is named by the first slip, in the order of :data:`SLIPS`, that reproduces every
   number of the row within its allowance plus one unit; ``arithmetic`` when none does.
 
@@ -73,6 +78,9 @@ SLIPS = (
     "arithmetic",
 )
 MASKED = -1e4
+FLOAT_ULPS = 4
+"""Units in the last place of the float format that other libraries' order of operations
+may move a number by, beyond NumPy's own float32 computation."""
 
 
 @dataclass
@@ -113,6 +121,10 @@ class Judge:
         self.status: dict[tuple[str, int | None, int], str] = {}
         self.claimed = ex.data.get("claimed", {})
         self.assumed = ex.data.get("assumed", {})
+        # float32 rounding: allowed where the file says so, a note where it says nothing
+        self.float_kind = ex.dtype or "float32"
+        self.low = None if ex.dtype == "float64" else ex.forward_in(self.float_kind)
+        self.float_ok = ex.dtype is not None
 
     # -- which rows, in which order --------------------------------------------------
     def rows(self) -> Iterator[Row]:
@@ -149,6 +161,15 @@ class Judge:
         src = self.exact if head is None or step in ("output",) else self.exact["per"][head]
         if head is not None and step in ("Q", "K", "V") and self.ex.heads == 1:
             src = self.exact
+        return np.asarray(src[step][i], dtype=np.float64).ravel()
+
+    def low_row(self, step: str, head: int | None, i: int) -> np.ndarray | None:
+        """The row as NumPy computes it in the file's float format (None: float64)."""
+        if self.low is None:
+            return None
+        src = self.low if head is None or step in ("output",) else self.low["per"][head]
+        if head is not None and step in ("Q", "K", "V") and self.ex.heads == 1:
+            src = self.low
         return np.asarray(src[step][i], dtype=np.float64).ravel()
 
     def band_row(self, step: str, head: int | None, i: int) -> np.ndarray:
@@ -282,16 +303,17 @@ class Judge:
         return np.array(rows), bad
 
     # -- judging ---------------------------------------------------------------------
-    def fits(self, row: Row, refs: list[np.ndarray], extra: float) -> bool:
-        """Every number within tolerance (+ ``extra`` units) of the envelope of ``refs``."""
+    def fits(self, row: Row, refs: list[np.ndarray], extra: float, ulps: float = 0.0) -> bool:
+        """Every number within tolerance (+ ``extra`` units of its last digit, + ``ulps``
+        units in the last place of the float format) of the envelope of ``refs``."""
         size = len(row.nums)
         refs = [np.asarray(r, dtype=np.float64).ravel() for r in refs]
         refs = [r for r in refs if r.size == size]
         if not refs:
             return False
-        return all(self.fits_at(row, k, [r[k] for r in refs], extra) for k in range(size))
+        return all(self.fits_at(row, k, [r[k] for r in refs], extra, ulps) for k in range(size))
 
-    def fits_at(self, row: Row, k: int, vals: list[float], extra: float) -> bool:
+    def fits_at(self, row: Row, k: int, vals: list[float], extra: float, ulps: float = 0.0) -> bool:
         """Number ``k`` of the row within tolerance of the envelope of ``vals``."""
         num = row.nums[k]
         c, unit = num.value, 10.0 ** (-num.decimals)
@@ -304,6 +326,9 @@ class Judge:
             finite = [self._unmasked(row, k)]
         band = float(self.band_row(row.step, row.head, row.index)[k])
         tol = 0.5 * unit + extra * unit + band + 1e-9 * max(1.0, abs(c))
+        if ulps:
+            kind = {"float32": np.float32, "float16": np.float16}[self.float_kind]
+            tol += ulps * float(np.spacing(kind(max(abs(v) for v in finite))))
         return min(finite) - tol <= c <= max(finite) + tol
 
     def _unmasked(self, row: Row, k: int) -> float:
@@ -317,6 +342,9 @@ class Judge:
         clean = [exact] + [c for c, bad in cands if not bad]
         if self.fits(row, clean, 0.0):
             return "ok"
+        low = self.low_row(row.step, row.head, row.index)
+        if low is not None and self.fits(row, [*clean, low], 0.0, FLOAT_ULPS):
+            return "ok" if self.float_ok else "note"
         if self.fits(row, clean, 1.0):
             return "note"
         if any(bad for _, bad in cands) and self.fits(row, clean + [c for c, _ in cands], 1.0):

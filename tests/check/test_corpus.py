@@ -127,10 +127,69 @@ def _edited(tmp_path: Path, name: str, old: str, new: str) -> Path:
             "context: {The: [0.61, 0.61, 0.78], cat: [0.39, 0, 0.39]}",
             {"ok": False, "step": "context", "token": "cat", "code": "context-not-summed"},
         ),
+        # float32 printouts keep their slips: one digit of a float32 weight changed
+        (
+            "aliusman-tf-float32.yaml",
+            "t2: [7.7575515e-03, 8.3941586e-02, 9.0830088e-01]",
+            "t2: [7.7575515e-03, 8.3941586e-02, 9.0880088e-01]",
+            {"ok": False, "step": "weights", "token": "t2", "code": "not-softmax"},
+        ),
     ],
-    ids=["digit-slip", "unscaled", "arithmetic", "mask-broken", "wrong-query", "not-summed"],
+    ids=[
+        "digit-slip",
+        "unscaled",
+        "arithmetic",
+        "mask-broken",
+        "wrong-query",
+        "not-summed",
+        "float32-digit-slip",
+    ],
 )
 def test_the_independent_script_can_fail(
     tmp_path: Path, name: str, old: str, new: str, expected: dict[str, Any]
 ) -> None:
     assert verdict(_edited(tmp_path, name, old, new)).summary() == expected
+
+
+# float32 printouts (issue 26): right to float32 accuracy is right, a slip is still a slip,
+# and the strict verdict of dtype: float64 stays available
+
+FLOAT32 = [
+    "coursera-dls-c5w4-unmasked.yaml",
+    "coursera-dls-c5w4-masked.yaml",
+    "aliusman-tf-float32.yaml",
+]
+
+
+@pytest.mark.parametrize("name", FLOAT32)
+def test_a_float32_printout_is_right_unless_the_file_asks_for_float64(
+    tmp_path: Path, name: str
+) -> None:
+    path = CORPUS / name
+    assert qkv_verdict(path) == verdict(path).summary() == {"ok": True}
+    text = path.read_text(encoding="utf-8").replace("dtype: float32\n", "")
+    strict = tmp_path / name
+    strict.write_text(text.replace("format: 2\n", "format: 2\ndtype: float64\n"), encoding="utf-8")
+    assert qkv_verdict(strict)["ok"] is False
+    assert verdict(strict).summary()["ok"] is False
+
+
+def test_without_dtype_float32_rounding_is_a_note_that_says_so() -> None:
+    from qkv.check import check
+
+    report = check(CORPUS / "coursera-dls-c5w4-unmasked.yaml")
+    notes = [f for f in report.findings if f.status == "note"]
+    assert report.ok and notes
+    assert all(f.diagnosis == "rounding" and "float32" in f.message for f in notes)
+    declared = check(CORPUS / "coursera-dls-c5w4-masked.yaml")
+    assert declared.ok and all(f.status == "ok" for f in declared.findings)
+
+
+def test_the_float32_slip_is_named_by_qkv_too(tmp_path: Path) -> None:
+    path = _edited(
+        tmp_path,
+        "aliusman-tf-float32.yaml",
+        "t2: [7.7575515e-03, 8.3941586e-02, 9.0830088e-01]",
+        "t2: [7.7575515e-03, 8.3941586e-02, 9.0880088e-01]",
+    )
+    assert qkv_verdict(path) == verdict(path).summary()

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from qkv.check._float_error import UNIT_ROUNDOFF, float_error
 from qkv.check._pipeline import (
     STEPS,
     Overrides,
@@ -145,15 +146,17 @@ def _change(moved: np.ndarray, base: np.ndarray) -> np.ndarray:
     return clean
 
 
-_EFFECTS: dict[int, tuple[Setup, Values | None]] = {}
+_EFFECTS: dict[tuple[int, bool], tuple[Setup, Values | None]] = {}
 
 
-def input_effect(setup: Setup) -> Values | None:
-    """How far the inputs printed rounded (``precision:``) can move every step, or None.
+def input_effect(setup: Setup, *, rounding: bool = True) -> Values | None:
+    """How far the inputs printed rounded (``precision:``) and the rounding of the format the
+    example says it computed in (``dtype: float32``, ...) can move every step, or None.
 
     Each input number is moved by half a unit of its printed precision, and the changes of
     every step are added up (a first-order bound, times :data:`SAFETY` for the products of
-    two roundings), the way carried rounding is.
+    two roundings), the way carried rounding is. A declared float32, float16 or bfloat16 adds
+    :func:`~qkv.check._float_error.float_error` (not with ``rounding=False``).
 
     Example:
         >>> from qkv.examples import loads
@@ -162,9 +165,10 @@ def input_effect(setup: Setup) -> Values | None:
         >>> float(input_effect(Setup.of(ex))["scores"][0, 0, 0])
         0.075
     """
-    if not setup.precision:
+    declared = rounding and setup.dtype in UNIT_ROUNDOFF
+    if not setup.precision and not declared:
         return None
-    cached = _EFFECTS.get(id(setup))
+    cached = _EFFECTS.get((id(setup), declared))
     if cached is not None and cached[0] is setup:
         return cached[1]
     base = forward(setup)
@@ -198,8 +202,13 @@ def input_effect(setup: Setup) -> Values | None:
             for step in total:
                 total[step] += _change(values[step], base[step])
     effect = {step: SAFETY * value for step, value in total.items()}
-    _EFFECTS.clear()
-    _EFFECTS[id(setup)] = (setup, effect)
+    if declared:
+        assert setup.dtype is not None
+        own = float_error(setup, setup.dtype)
+        effect = {step: value + own[step] for step, value in effect.items()}
+    if len(_EFFECTS) > 2:
+        _EFFECTS.clear()
+    _EFFECTS[id(setup), declared] = (setup, effect)
     return effect
 
 

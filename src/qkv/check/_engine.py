@@ -31,6 +31,7 @@ from qkv.check._compare import (
     matches,
 )
 from qkv.check._diagnose import Problem, diagnose_step
+from qkv.check._float_error import UNIT_ROUNDOFF, float_error
 from qkv.check._pipeline import (
     STEPS,
     Candidate,
@@ -76,6 +77,8 @@ class _Row:
     masked_ok: np.ndarray | None = None
     band: np.ndarray | None = None
     zero_sum: bool = False  # weights whose own printed exponentials sum to 0 (see _normalised)
+    float_band: np.ndarray | None = None  # no dtype: float32 rounding, a note (see _apply_policy)
+    float_notes: tuple[bool, ...] = ()  # the numbers noted only for float32 rounding
     marks: tuple[str, ...] = ()
     status: str = ""
     diagnosis: str | None = None
@@ -139,6 +142,12 @@ def check(example: Example | str | os.PathLike[str]) -> Report:
         for row in here:
             carried = exact.carried(row.slot, row.t, ratios)
             row.marks = grade(row.values, row.correct, row.half, carried, row.band)
+            if row.float_band is not None and ROUNDING in row.marks:
+                assert row.band is not None
+                plain = grade(row.values, row.correct, row.half, carried, row.band - row.float_band)
+                row.float_notes = tuple(
+                    p == WRONG and m == ROUNDING for p, m in zip(plain, row.marks, strict=True)
+                )
             row.marks = _normalised(row)
             for i, mark in enumerate(row.marks):  # how far later steps may carry this number
                 if mark != WRONG and row.half[i] > 0:
@@ -175,7 +184,9 @@ def _claimed_rows(
         for h, by_step in enumerate(example.head_claimed):
             for t, claimed in sorted(by_step.get(step, {}).items()):
                 claims.append((step, h, t, claimed))
-    effect = input_effect(setup)
+    effect = input_effect(setup, rounding=False)
+    declared = float_error(setup, setup.dtype) if setup.dtype in UNIT_ROUNDOFF else None
+    auto = float_error(setup, "float32") if setup.dtype is None else None
     allowed = setup.allowed()
     rows: list[_Row] = []
     printed: Values | None = None
@@ -202,7 +213,7 @@ def _claimed_rows(
             for r in rows:
                 base.setdefault(r.slot, {})[r.t] = r.values
             printed, printed_step = forward(setup, None, base), step
-        _apply_policy(row, correct, printed, effect, allowed)
+        _apply_policy(row, correct, printed, effect, allowed, auto, declared)
         rows.append(row)
     return rows
 
@@ -213,9 +224,14 @@ def _apply_policy(
     printed: Values | None,
     effect: Values | None,
     allowed: np.ndarray,
+    auto: Values | None = None,
+    declared: Values | None = None,
 ) -> None:
     """Masked scores, the variant of the exponentials, and the precision policy (both
-    formats): a whole number that the exact inputs make whole leaves no doubt."""
+    formats): a whole number that the exact inputs make whole leaves no doubt; with no
+    ``dtype:``, a number off only by the rounding of a float32 computation (``auto``) is a
+    rounding note; with ``dtype: float32`` (``declared``), a number within the rounding of
+    float32 of the exact value is that value, printed by float code."""
     if row.step in ("scores", "scaled"):
         masked = ~np.isfinite(row.values) | (row.values <= MASKED_BELOW)
         if masked.any():
@@ -237,16 +253,23 @@ def _apply_policy(
     row.band = np.array(
         [0.0 if decimals_of(t) == 0 else 0.5 * 10.0 ** -decimals_of(t) for t in row.claimed.texts]
     )
+    rounding = None if declared is None else row_of(declared, row.slot, row.t)
     row.half, row.carry = exact_halves(
-        row.values, row.claimed.texts, row.correct, from_printed, row.half, doubt
+        row.values, row.claimed.texts, row.correct, from_printed, row.half, doubt, rounding
     )
+    if auto is not None:
+        row.float_band = np.nan_to_num(np.asarray(row_of(auto, row.slot, row.t)), posinf=0.0)
+        row.band = row.band + row.float_band
 
 
 def _settle(row: _Row, words: SlipWords) -> None:
     """A row with no wrong number: ok, or a rounding note."""
     if ROUNDING in row.marks:
         row.status, row.diagnosis = "note", "rounding"
-        row.message = words.rounding(row.claimed.texts, row.correct, row.marks)
+        if any(row.float_notes):
+            row.message = words.float_rounding(row.claimed.texts, row.correct, row.float_notes)
+        else:
+            row.message = words.rounding(row.claimed.texts, row.correct, row.marks)
     else:
         row.status = "ok"
         row.message = words.correct_line(row.step, row.t, row.decimals)

@@ -143,6 +143,7 @@ class Setup:
         version: the example's format, 1 or 2: the precision policy and every code apply to
             both, except ``not-softmax`` (:attr:`names_not_softmax`).
         precision: the inputs printed rounded: name → decimals.
+        dtype: the floating-point format the example says it was computed in, or None.
     """
 
     X: np.ndarray
@@ -160,6 +161,7 @@ class Setup:
     version: int = 1
     precision: Mapping[str, int] = dataclasses.field(default_factory=dict)
     head_dim: int = 0
+    dtype: str | None = None
 
     @classmethod
     def of(cls, example: Example) -> Setup:
@@ -192,6 +194,7 @@ class Setup:
             version=example.format,
             precision=dict(example.precision),
             head_dim=example.d_k or 0,
+            dtype=example.dtype,
         )
 
     @property

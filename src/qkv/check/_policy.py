@@ -40,6 +40,7 @@ def exact_halves(
     from_printed: np.ndarray | None,
     half: np.ndarray,
     effect: np.ndarray | None,
+    rounding: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The half units of a row under the policy: (for judging the row, for carrying on).
 
@@ -50,6 +51,9 @@ def exact_halves(
         from_printed: the values computed from the numbers printed before, or None.
         half: half a unit of each number's last printed digit, (n,).
         effect: how far inputs printed rounded can move each value, or None.
+        rounding: how far the computation in the format the example says (``dtype:
+            float32``) can move each value, or None: a number that close to the exact value
+            is that value, printed by float code (``2.46`` for 2.46, ``0.70000005`` for 0.7).
 
     Example:
         >>> own, carry = exact_halves(np.array([2.0, 0.5, 0.33]), ["2", "0.5", "0.33"],
@@ -63,7 +67,7 @@ def exact_halves(
     for i, text in enumerate(texts):
         if not np.isfinite(claimed[i]) or not sure[i]:
             continue
-        close = _EPSILON * (1.0 + abs(correct[i]))
+        close = _EPSILON * (1.0 + abs(correct[i])) + (0.0 if rounding is None else rounding[i])
         whole = _is_whole_text(text) and abs(correct[i] - round(correct[i])) <= close
         if whole:
             own[i] = 0.0

@@ -283,3 +283,19 @@ class RowWords:
             for i in near[:4]
         )
         return f"Off only beyond the printed digits ({offs}): a rounding note, not an error."
+
+    def float_rounding(
+        self, printed: Sequence[str], expected: np.ndarray, notes: Sequence[bool]
+    ) -> str:
+        """The sentence of a rounding note for numbers off by float32 rounding only."""
+        near = [i for i, note in enumerate(notes) if note]
+        offs = ", ".join(
+            f"{printed[i]} for {number(float(expected[i]), decimals_of(printed[i]) + 2)}"
+            for i in near[:4]
+        )
+        return (
+            f"Off only by the rounding of a computation in float32 ({offs}: a few units in the "
+            "last place of a float32): a rounding note, not an error. Write dtype: float32 in "
+            "the file when its numbers come from float32 code, or dtype: float64 to hold every "
+            "printed digit."
+        )

@@ -13,6 +13,7 @@ from qkv.examples._format2 import (
     check_masked_inputs,
     claimed_rows,
     direct_inputs,
+    dtype_of,
     mask_option,
     names,
     precision,
@@ -23,7 +24,7 @@ from qkv.examples._shapes import OPTION_KEYS, heads_of, queries_of, weights_of
 
 __all__ = ["V2_KEYS", "build_v2"]
 
-V2_KEYS = ("inputs", "query_tokens", "precision", "assumed")
+V2_KEYS = ("inputs", "query_tokens", "precision", "assumed", "dtype")
 """Top-level keys that only format 2 has."""
 V2_OPTIONS = (*OPTION_KEYS, "key_length", "mask", "d_k")
 _ALIGNMENTS = {"top-left": "top-left", "bottom-right": "bottom-right"}
@@ -100,6 +101,7 @@ def build_v2(
     digits: dict[str, int] = {}
     if "precision" in top:
         digits = precision(r, top["precision"][1], present)
+    dtype = dtype_of(r, top["dtype"][1]) if "dtype" in top else None
 
     has_v = inputs in ("embeddings", "qkv")
     d_out = d_v_all if W_o is None else W_o.shape[1]
@@ -171,6 +173,7 @@ def build_v2(
         mask=options["mask"],
         d_k=options["d_k"],
         precision=digits,
+        dtype=dtype,
         head_claimed=head_claimed,
         assumed=assumed,
     )

@@ -6,6 +6,7 @@ Everything of format 1 stays valid; ``format: 2`` adds (``docs/example-format.md
     query_tokens: [...]                   # the Lq queries when Lq ≠ Lk (default q1, q2, ...)
     options: {causal: bottom-right, key_length: 2, mask: [[1, 0], ...], d_k: 64}
     precision: {embeddings: 2, weights: 4}   # inputs printed rounded
+    dtype: float32                        # computed in float32 (also float64, float16, bfloat16)
     claimed: {exp: ..., exp_sum: ..., products: ..., per_head: [{...}, ...]}
     assumed: {weights: {a: [0.5, 0.5]}}   # given by the text, not checked
 
@@ -25,12 +26,14 @@ from qkv.examples._nodes import NodeReader, describe, join, line_of
 
 __all__ = [
     "CLAIMABLE_2",
+    "DTYPES",
     "INPUT_SETS",
     "MASKED",
     "PRECISION_KEYS",
     "check_masked_inputs",
     "claimed_rows",
     "direct_inputs",
+    "dtype_of",
     "mask_option",
     "names",
     "precision",
@@ -61,6 +64,9 @@ PRECISION_KEYS = ("embeddings", "weights", "W_q", "W_k", "W_v", "W_o", "Q", "K",
 MASKED = ("-inf", "-.inf", "-.Inf", "-.INF", "−∞", "-∞", "-Infinity", "−inf")
 """How texts print a masked score (minus infinity); a number ≤ −10⁴ also reads as masked."""
 _MAX_DECIMALS = 15
+DTYPES = ("float64", "float32", "float16", "bfloat16")
+"""How a text computed its numbers (``dtype:``): float64 holds every printed digit; the others
+allow their own rounding (docs/check.md, the precision policy)."""
 
 
 def names(
@@ -337,3 +343,17 @@ def _why_not(step: str) -> tuple[str, str]:
         f"this example has no value vectors, so no {step} rows",
         "give inputs.V (or embeddings and weights) to claim them",
     )
+
+
+def dtype_of(r: NodeReader, node: yaml.Node) -> str:
+    """``dtype:``: the floating-point format the text computed in, one of :data:`DTYPES`."""
+    text = r.text(node, "dtype", what="a floating-point format")
+    if text not in DTYPES:
+        raise r.error(
+            node,
+            "dtype",
+            f"expected one of {', '.join(DTYPES)}, got {text!r}",
+            "float32 for numbers printed by PyTorch, TensorFlow or JAX code; float64 to hold "
+            "every printed digit (a hand-worked exercise)",
+        )
+    return text

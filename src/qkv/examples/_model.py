@@ -88,6 +88,8 @@ class Example:
         d_k: the d_k of ``scale: true`` for an example given by its scores, or None.
         precision: input name (``"embeddings"``, ``"W_q"``, ``"Q"``, ...) → the decimals
             it was printed rounded to.
+        dtype: the floating-point format the text computed in (``"float32"``, ...;
+            ``dtype:`` of format 2), or None when the file does not say.
         head_claimed: per head, claimed rows of that head (step → token → row).
         assumed: rows a text takes as given (not checked; later steps use them).
 
@@ -125,6 +127,7 @@ class Example:
     mask: np.ndarray | None = None
     d_k: int | None = None
     precision: Mapping[str, int] = field(default_factory=dict)
+    dtype: str | None = None
     head_claimed: tuple[Mapping[str, Mapping[int, Claimed]], ...] = ()
     assumed: Mapping[str, Mapping[int, Claimed]] = field(default_factory=dict)
 
