@@ -327,8 +327,8 @@ class Judge:
         band = float(self.band_row(row.step, row.head, row.index)[k])
         tol = 0.5 * unit + extra * unit + band + 1e-9 * max(1.0, abs(c))
         if ulps:
-            kind = {"float32": np.float32, "float16": np.float16}[self.float_kind]
-            tol += ulps * float(np.spacing(kind(max(abs(v) for v in finite))))
+            kind = np.dtype(self.float_kind)
+            tol += ulps * float(np.spacing(np.array(max(abs(v) for v in finite), dtype=kind)))
         return min(finite) - tol <= c <= max(finite) + tol
 
     def _unmasked(self, row: Row, k: int) -> float:

@@ -416,7 +416,7 @@ def test_cli_exit_1_names_the_slip_in_the_json_schema(
     [
         ("def attention(Q, K, V):\n    while True:\n        pass\n", "did not finish within 3 s"),
         ("import os\ndef attention(Q, K, V):\n    os.abort()\n", "ended with status"),
-        ("raise RuntimeError('boom')\n", "importing it raised RuntimeError: boom"),
+        ("raise RuntimeError('boom')\n", "running it: line 1: RuntimeError: boom"),
         ("x = 1\n", "no function named 'attention'"),
         ("def attention(Q):\n    return Q\n", "first probe the function raised TypeError"),
     ],

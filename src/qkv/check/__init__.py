@@ -48,6 +48,8 @@ from qkv.check._function import (
     FunctionReport,
     check_function,
     check_function_file,
+    check_module,
+    check_module_file,
 )
 from qkv.check._pipeline import ROW_STEPS, Setup, Slip, Values, forward
 from qkv.check._report import DIAGNOSES, FORMATS, STATUSES, Finding, Report
@@ -68,6 +70,8 @@ __all__ = [
     "check",
     "check_function",
     "check_function_file",
+    "check_module",
+    "check_module_file",
     "forward",
     "slips_for",
 ]

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from qkv._format import markdown_escape, number
+from qkv._format import markdown_escape, number, visible
 from qkv.check._findings import ReportData
 from qkv.check._function_diagnose import diagnose
 from qkv.check._function_run import (
@@ -27,6 +27,7 @@ from qkv.check._function_run import (
     validate,
 )
 from qkv.check._function_slips import FUNCTION_DIAGNOSES
+from qkv.check._module_adapt import ModuleError, adapt_class
 from qkv.check._probes import KV_HEADS, Spec
 
 __all__ = [
@@ -36,6 +37,8 @@ __all__ = [
     "FunctionReport",
     "check_function",
     "check_function_file",
+    "check_module",
+    "check_module_file",
 ]
 
 
@@ -53,6 +56,27 @@ class FunctionReport(ReportData):
 
     kind: str = "attention"
     array: str = "numpy"
+    about: str = ""
+    file_error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"ok": bool, "findings": [...]}``, and ``"file_error"`` (the file's own errors,
+        one line) when the file had some."""
+        data = super().to_dict()
+        if self.file_error:
+            data["file_error"] = self.file_error
+        return data
+
+    def _command(self) -> str:
+        return "qkv check --module" if self.kind.startswith("module") else "qkv check --function"
+
+    def _header(self, report: FunctionReport) -> list[str]:
+        lines = []
+        if self.about:
+            lines.append(f"Driven as: {visible(self.about)}.")
+        if self.file_error:
+            lines.append(f"! The file's own errors: {visible(self.file_error)} (the rest ran).")
+        return lines
 
     def to_json(self, *, indent: int | None = 2) -> str:
         """The report as JSON (ending with a newline)."""
@@ -65,7 +89,9 @@ class FunctionReport(ReportData):
         import textwrap
 
         report = self.visible()
-        lines = [f"qkv check --function: {report.name} (kind {self.kind}, {self.array} probes)"]
+        lines = [f"{self._command()}: {report.name} (kind {self.kind}, {self.array} probes)"]
+        for line in self._header(report):
+            lines += textwrap.wrap(line, width, subsequent_indent="  ")
         if report.ok and not report.findings:
             lines.append("✓ No mistake found: every probe gives attention's numbers.")
         for f in report.findings:
@@ -81,8 +107,9 @@ class FunctionReport(ReportData):
     def markdown(self) -> str:
         """The report as GitHub-flavoured Markdown."""
         report = self.visible()
-        out = [f"# qkv check --function: {markdown_escape(report.name)}", ""]
+        out = [f"# {self._command()}: {markdown_escape(report.name)}", ""]
         out += [f"Kind `{self.kind}`, probed with {self.array} arrays.", ""]
+        out += [line for h in self._header(report) for line in (markdown_escape(h), "")]
         if not report.findings:
             out += ["✓ No mistake found: every probe gives attention's numbers.", ""]
         for f in report.findings:
@@ -203,8 +230,9 @@ def check_function_file(
 ) -> FunctionReport:
     """Check the function ``FILE.py:NAME`` in a separate process with a time limit.
 
-    Loading the file runs its code, as ``python FILE.py`` would. ``batched`` and
-    ``num_kv_heads`` as in :func:`check_function`.
+    Loading the file runs its code, as ``python FILE.py`` would; a top-level statement that
+    fails (a notebook exported to a file) is noted in ``file_error`` and the rest runs.
+    ``batched`` and ``num_kv_heads`` as in :func:`check_function`.
 
     Raises:
         FunctionError: the file or function cannot be loaded or called, the process crashed,
@@ -213,7 +241,7 @@ def check_function_file(
     """
     validate(kind, mask_means, array, alignment)
     spec_of(kind, with_mask=False, alignment=alignment, num_kv_heads=num_kv_heads)
-    path, name, used, with_mask, outcomes = run_file(
+    run = run_file(
         target,
         kind,
         mask_means=mask_means,
@@ -222,13 +250,84 @@ def check_function_file(
         batched=batched,
         num_kv_heads=num_kv_heads,
     )
-    spec = spec_of(kind, with_mask=with_mask, alignment=alignment, num_kv_heads=num_kv_heads)
-    findings = diagnose(spec, outcomes, lifted=lifted(used), batched=batched)
+    spec = spec_of(kind, with_mask=run.with_mask, alignment=alignment, num_kv_heads=num_kv_heads)
+    findings = diagnose(spec, run.outcomes, lifted=lifted(run.array), batched=batched)
     return FunctionReport(
-        name=f"{name} in {path}",
-        source=str(path),
+        name=f"{run.name} in {run.path}",
+        source=str(run.path),
         tokens=(),
         findings=tuple(findings),
         kind=kind,
-        array=used,
+        array=run.array,
+        file_error=run.file_error,
+    )
+
+
+_CAUSAL = {None: "module", True: "module-causal", False: "module-not-causal"}
+
+
+def _module_kind(kind: str, causal: bool) -> str:
+    return f"module: {kind}{', causal' if causal else ''}"
+
+
+def check_module(
+    cls: type, *, causal: bool | None = None, name: str | None = None
+) -> FunctionReport:
+    """Check an attention class (an ``nn.Module``) in this process: which slip it makes.
+
+    The class is built with d_model 16 and 4 or 2 heads, its four projections are set from
+    the multi-head probes, and ``forward`` runs in float64 in eval mode
+    (:mod:`~qkv.check._module_adapt` says which constructors, projections and forward
+    signatures it understands). ``causal``: check it as causal attention; None: as the
+    class says (its name, or a triangular mask buffer).
+
+    Raises:
+        FunctionError: the class cannot be built, its projections found, or forward called.
+    """
+    try:
+        driven = adapt_class(cls, causal=causal)
+    except ModuleError as exc:
+        raise FunctionError(str(exc)) from None
+    _, outcomes = run_probes(driven.fn, driven.kind, array="numpy")
+    spec = Spec(driven.kind, causal=driven.causal)
+    findings = diagnose(spec, outcomes)
+    return FunctionReport(
+        name=name or str(getattr(cls, "__qualname__", repr(cls))),
+        source=None,
+        tokens=(),
+        findings=tuple(findings),
+        kind=_module_kind(driven.kind, driven.causal),
+        array="torch float64",
+        about=driven.about,
+    )
+
+
+def check_module_file(
+    target: str, *, causal: bool | None = None, timeout: float = 20.0
+) -> FunctionReport:
+    """Check the attention class ``FILE.py:ClassName`` in a separate process with a time
+    limit (as :func:`check_module`; loading the file runs its code).
+
+    Raises:
+        FunctionError: the file cannot be run, the class built or driven, the process
+            crashed, or it did not finish within ``timeout`` seconds.
+    """
+    run = run_file(
+        target,
+        "multi-head",
+        mask_means="allow",
+        array="numpy",
+        timeout=timeout,
+        adapt=_CAUSAL[causal],
+    )
+    findings = diagnose(Spec(run.kind, causal=run.causal), run.outcomes)
+    return FunctionReport(
+        name=f"{run.name} in {run.path}",
+        source=str(run.path),
+        tokens=(),
+        findings=tuple(findings),
+        kind=_module_kind(run.kind, run.causal),
+        array="torch float64",
+        about=run.about,
+        file_error=run.file_error,
     )

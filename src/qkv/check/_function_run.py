@@ -9,7 +9,6 @@ diagnosis is :mod:`~qkv.check._function_diagnose`'s.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
 import os
@@ -26,10 +25,12 @@ import numpy as np
 from numpy.typing import NDArray
 
 from qkv.check._probes import KINDS, MASK_MEANINGS, Probe, probes
+from qkv.check._student_file import StudentFileError, run_student_file
 
 __all__ = [
     "ALIGNMENTS",
     "ARRAYS",
+    "FileRun",
     "FunctionError",
     "Outcome",
     "load_function",
@@ -237,39 +238,72 @@ def split_target(target: str) -> tuple[Path, str]:
     return Path(path), name
 
 
-def load_function(path: Path, name: str) -> Callable[..., Any]:
-    """Import ``path`` (this runs its code) and return its function ``name``.
+def load_function(path: Path, name: str) -> tuple[Callable[..., Any], str | None]:
+    """Run ``path`` (this runs its code) and return its function (or class) ``name``, with the
+    file's own errors as one line, or None (:func:`~qkv.check._student_file.run_student_file`:
+    a top-level statement that fails is noted and the next one runs, as in a notebook
+    exported to a file).
 
     Raises:
-        FunctionError: the file cannot be imported or has no callable ``name``.
+        FunctionError: the file cannot be run, or has no callable ``name``.
     """
-    sys.path.insert(0, str(path.resolve().parent))
-    spec = importlib.util.spec_from_file_location("_qkv_student_module", path)
-    if spec is None or spec.loader is None:
-        raise FunctionError(f"{path}: not a Python file. Hint: give a .py file")
-    module = importlib.util.module_from_spec(spec)
     try:
-        spec.loader.exec_module(module)
-    except BaseException as exc:
-        text = " ".join(str(exc).split())[:200]
-        raise FunctionError(
-            f"{path}: importing it raised {type(exc).__name__}: {text}. Hint: run "
-            f"'python {path}' to see the whole error"
-        ) from None
+        module, file_error = run_student_file(path)
+    except StudentFileError as exc:
+        raise FunctionError(str(exc)) from None
     fn = getattr(module, name, None)
     if not callable(fn):
+        ran = f"; running it: {file_error}" if file_error else ""
         raise FunctionError(
-            f"{path}: no function named {name!r}. Hint: give FILE.py:NAME with the name of "
-            "the function after the colon"
+            f"{path}: no function named {name!r}{ran}. Hint: give FILE.py:NAME with the name of "
+            f"the function after the colon, and run 'python {path}' to see the file's errors"
         )
-    return fn  # type: ignore[no-any-return]
+    return fn, file_error
+
+
+@dataclass(frozen=True)
+class FileRun:
+    """What the separate process found: where, what it probed, and the outcomes.
+
+    Attributes:
+        path: the file. name: the function or class in it.
+        array: the array library of the probes (as :func:`run_probes` says it).
+        with_mask: whether the function takes a mask.
+        outcomes: one per probe.
+        kind: the kind probed (a class is probed as ``multi-head`` or ``gqa``).
+        causal: a class: whether it is checked as causal attention.
+        about: a class: how it was driven (its forward and projections).
+        file_error: the file's own errors, as one line, or None.
+    """
+
+    path: Path
+    name: str
+    array: str
+    with_mask: bool
+    outcomes: list[Outcome]
+    kind: str
+    causal: bool = False
+    about: str = ""
+    file_error: str | None = None
 
 
 def _child_main() -> None:
-    """The separate process: load the file, call the function on the probes, write JSON."""
-    path, name, kind, mask_means, array, batched, kv_heads, out = sys.argv[1:9]
+    """The separate process: load the file, call the function (or drive the class, when
+    ``adapt`` names one) on the probes, write JSON."""
+    path, name, kind, mask_means, array, batched, kv_heads, adapt, out = sys.argv[1:10]
     try:
-        fn = load_function(Path(path), name)
+        fn, file_error = load_function(Path(path), name)
+        extra: dict[str, Any] = {"kind": kind, "file_error": file_error}
+        if adapt:
+            from qkv.check._module_adapt import ModuleError, adapt_class
+
+            causal = {"causal": True, "not-causal": False}.get(adapt.removeprefix("module-"))
+            try:
+                driven = adapt_class(fn, causal=causal)
+            except ModuleError as exc:
+                raise FunctionError(f"{path}:{name}: {exc}") from None
+            fn, kind = driven.fn, driven.kind
+            extra.update(kind=kind, causal=driven.causal, about=driven.about)
         used, outcomes = run_probes(
             fn,
             kind,
@@ -281,6 +315,7 @@ def _child_main() -> None:
         data: dict[str, Any] = {
             "array": used,
             "with_mask": takes_mask(fn, kind),
+            **extra,
             "outcomes": [
                 {
                     "context": None if o.context is None else o.context.tolist(),
@@ -305,12 +340,12 @@ def run_file(
     timeout: float,
     batched: bool = False,
     num_kv_heads: int | None = None,
-) -> tuple[Path, str, str, bool, list[Outcome]]:
+    adapt: str = "",
+) -> FileRun:
     """Run ``FILE.py:NAME`` on the probes of ``kind`` in a separate process (the arguments of
-    :func:`run_probes`).
-
-    Returns the path, the function's name, the array library used, whether it takes a mask,
-    and the outcomes.
+    :func:`run_probes`). ``adapt`` = ``"module"`` (or ``"module-causal"``,
+    ``"module-not-causal"``): NAME is an attention class, driven by
+    :func:`~qkv.check._module_adapt.adapt_class` in that process.
 
     Raises:
         FunctionError: the file or function cannot be loaded or called, the process crashed,
@@ -324,7 +359,7 @@ def run_file(
             "-c",
             "from qkv.check._function_run import _child_main; _child_main()",
             str(path), name, kind, mask_means, array,
-            "batched" if batched else "single", str(num_kv_heads or 0), str(out),
+            "batched" if batched else "single", str(num_kv_heads or 0), adapt, str(out),
         ]  # fmt: skip
         try:
             done = subprocess.run(
@@ -352,4 +387,14 @@ def run_file(
         )
         for o in data["outcomes"]
     ]
-    return path, name, data["array"], bool(data["with_mask"]), outcomes
+    return FileRun(
+        path=path,
+        name=name,
+        array=data["array"],
+        with_mask=bool(data["with_mask"]),
+        outcomes=outcomes,
+        kind=str(data["kind"]),
+        causal=bool(data.get("causal", False)),
+        about=str(data.get("about", "")),
+        file_error=data.get("file_error"),
+    )

@@ -52,9 +52,16 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         "Loading FILE.py runs its code, like 'python FILE.py': only check code you would run",
     )
     group.add_argument(
+        "--module",
+        metavar="FILE.py:CLASS",
+        help="check the attention class CLASS (a torch nn.Module) of FILE.py: built with "
+        "d_model 16, its projections set from the probes (docs/check-function.md). --kind "
+        "causal or multi-head says whether it must be causal (default: as the class says)",
+    )
+    group.add_argument(
         "--kind",
         choices=_KINDS,
-        default="attention",
+        default=None,
         help="attention: NAME(Q, K, V) or NAME(Q, K, V, mask); causal: NAME(Q, K, V) is causal; "
         "multi-head: NAME(X, W_q, W_k, W_v, W_o, num_heads), row vectors; gqa: "
         "NAME(X, W_q, W_k, W_v, W_o, num_heads, num_kv_heads), grouped-query (default: "
@@ -104,19 +111,37 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     add_output_options(parser, "write the report to FILE instead of the terminal (atomically)")
 
 
-def _run_function(args: argparse.Namespace) -> int:
-    if args.file is not None or args.example is not None:
+def _run_module(args: argparse.Namespace) -> int:
+    if args.kind not in (None, "causal", "multi-head"):
         raise CommandError(
-            "give --function FILE.py:NAME or an example, not both. Hint: 'qkv check --function "
-            "student.py:attention --kind attention'"
+            f"--kind {args.kind} does not go with --module: a class is checked as multi-head "
+            "attention. Hint: --kind causal (it must be causal) or --kind multi-head (it must "
+            "not be), or leave --kind out (as the class says)"
+        )
+    from qkv.check import check_module_file
+
+    causal = None if args.kind is None else args.kind == "causal"
+    report = check_module_file(args.module, causal=causal, timeout=args.timeout)
+    emit(args, lambda width: report.render(args.format, width=width), report.print)
+    return 0 if report.ok else 1
+
+
+def _run_function(args: argparse.Namespace) -> int:
+    given = [x for x in (args.file, args.example, args.function, args.module) if x is not None]
+    if len(given) > 1:
+        raise CommandError(
+            "give one of --function FILE.py:NAME, --module FILE.py:CLASS or an example, not "
+            "both. Hint: 'qkv check --function student.py:attention --kind attention'"
         )
     if not args.timeout > 0:
         raise CommandError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.module is not None:
+        return _run_module(args)
     from qkv.check import check_function_file
 
     report = check_function_file(
         args.function,
-        args.kind,
+        args.kind or "attention",
         mask_means=args.mask_means,
         array=args.array,
         alignment=args.causal_alignment,
@@ -129,7 +154,7 @@ def _run_function(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.function is not None:
+    if args.function is not None or args.module is not None:
         return _run_function(args)
     if args.file is not None and args.example is not None:
         raise CommandError(
@@ -169,8 +194,9 @@ COMMAND = Command(
         "Exit status: 0 all match, 1 something does not, 2 the file cannot be used.\n"
         "See docs/check.md.\n\n"
         "With --function FILE.py:NAME it checks an attention function instead and names\n"
-        "its slip (docs/check-function.md). WARNING: this imports FILE.py, which runs its\n"
-        "code; it runs in a separate process with a time limit (--timeout)."
+        "its slip (docs/check-function.md); --module FILE.py:CLASS an attention class.\n"
+        "WARNING: this imports FILE.py, which runs its code; it runs in a separate\n"
+        "process with a time limit (--timeout)."
     ),
     examples=(
         ("qkv check --example i-love-statistics", "seed 000: which of its numbers are wrong"),
@@ -181,6 +207,10 @@ COMMAND = Command(
         (
             "qkv check --function student.py:attention --kind attention",
             "which slip a student's attention(Q, K, V[, mask]) makes (runs student.py)",
+        ),
+        (
+            "qkv check --module student.py:MultiHeadAttention",
+            "the same for an attention class, an nn.Module (runs student.py)",
         ),
     ),
     configure=_configure,

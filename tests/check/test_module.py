@@ -1,0 +1,374 @@
+"""``qkv check --module FILE.py:ClassName``: attention classes in the conventions of the
+courses that ask for them (issue 26, item 4).
+
+Each class below is written here in the shape a course asks for (constructor, layer names,
+forward), not copied from the course: CS231n's ``MultiHeadAttention(embed_dim, num_heads,
+dropout)`` with ``key``, ``query``, ``value``, ``proj`` and ``forward(query, key, value,
+attn_mask)``; CS224n's ``CausalSelfAttention(config)`` with a ``mask`` buffer; the Annotated
+Transformer's ``MultiHeadedAttention(h, d_model)`` with four ``linears``; *LLMs from
+Scratch*'s ``MultiHeadAttention(d_in, d_out, context_length, dropout, num_heads)`` with
+``W_query``, ``W_key``, ``W_value``, ``out_proj``; nanoGPT's fused ``c_attn``; the UvA
+tutorial's fused ``qkv_proj`` laid out per head; and a grouped-query class.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F  # noqa: N812
+
+from qkv.check import FunctionError, check_module
+from qkv.cli import main
+
+
+def heads(x: torch.Tensor, h: int) -> torch.Tensor:
+    b, length, width = x.shape
+    return x.view(b, length, h, width // h).transpose(1, 2)  # (B, h, L, d)
+
+
+def merge(c: torch.Tensor) -> torch.Tensor:
+    b, h, length, d = c.shape
+    return c.transpose(1, 2).reshape(b, length, h * d)
+
+
+class CS231nStyle(nn.Module):
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.key = nn.Linear(embed_dim, embed_dim)
+        self.query = nn.Linear(embed_dim, embed_dim)
+        self.value = nn.Linear(embed_dim, embed_dim)
+        self.proj = nn.Linear(embed_dim, embed_dim)
+        self.attn_drop = nn.Dropout(dropout)
+        self.n_head = num_heads
+        self.scale_by_model = False
+
+    def forward(self, query: Any, key: Any, value: Any, attn_mask: Any = None) -> Any:
+        h = self.n_head
+        q, k, v = heads(self.query(query), h), heads(self.key(key), h), heads(self.value(value), h)
+        d = q.shape[-1] * (h if self.scale_by_model else 1)
+        s = q @ k.transpose(-2, -1) / math.sqrt(d)
+        if attn_mask is not None:
+            s = s.masked_fill(attn_mask == 0, float("-inf"))
+        return self.proj(merge(self.attn_drop(torch.softmax(s, dim=-1)) @ v))
+
+
+class CS231nByModelWidth(CS231nStyle):
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.1) -> None:
+        super().__init__(embed_dim, num_heads, dropout)
+        self.scale_by_model = True  # sqrt(embed_dim) where sqrt(head_dim) is meant
+
+
+class CS224nStyle(nn.Module):
+    """minGPT's layout: one config object, a causal mask buffer."""
+
+    mask: torch.Tensor
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.key = nn.Linear(config.n_embd, config.n_embd)
+        self.query = nn.Linear(config.n_embd, config.n_embd)
+        self.value = nn.Linear(config.n_embd, config.n_embd)
+        self.proj = nn.Linear(config.n_embd, config.n_embd)
+        self.attn_drop = nn.Dropout(config.attn_pdrop)
+        size = config.block_size
+        self.register_buffer("mask", torch.tril(torch.ones(size, size)).view(1, 1, size, size))
+        self.n_head = config.n_head
+        self.dropout_in_forward = False
+
+    def forward(self, x: Any) -> Any:
+        length = x.shape[1]
+        q, k, v = (heads(f(x), self.n_head) for f in (self.query, self.key, self.value))
+        s = q @ k.transpose(-2, -1) / math.sqrt(k.shape[-1])
+        s = s.masked_fill(self.mask[:, :, :length, :length] == 0, float("-inf"))
+        w = torch.softmax(s, dim=-1)
+        w = F.dropout(w, 0.1) if self.dropout_in_forward else self.attn_drop(w)
+        return self.proj(merge(w @ v))
+
+
+class CS224nDropoutLeftOn(CS224nStyle):
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.dropout_in_forward = True  # F.dropout trains unless told training=self.training
+
+
+class AnnotatedStyle(nn.Module):
+    def __init__(self, h: int, d_model: int, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.d_k, self.h = d_model // h, h
+        self.linears = nn.ModuleList([nn.Linear(d_model, d_model) for _ in range(4)])
+        self.dropout = nn.Dropout(p=dropout)
+
+    def forward(self, query: Any, key: Any, value: Any, mask: Any = None) -> Any:
+        if mask is not None:
+            mask = mask.unsqueeze(1)
+        inputs = (query, key, value)
+        q, k, v = (heads(lin(x), self.h) for lin, x in zip(self.linears, inputs, strict=False))
+        s = q @ k.transpose(-2, -1) / math.sqrt(self.d_k)
+        if mask is not None:
+            s = s.masked_fill(mask == 0, -1e9)
+        return self.linears[-1](merge(self.dropout(s.softmax(dim=-1)) @ v))
+
+
+class FromScratchStyle(nn.Module):
+    mask: torch.Tensor
+
+    def __init__(
+        self, d_in: int, d_out: int, context_length: int, dropout: float, num_heads: int,
+        qkv_bias: bool = False,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, d_out // num_heads
+        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.out_proj = nn.Linear(d_out, d_out)
+        self.dropout: nn.Dropout = nn.Dropout(dropout)
+        ones = torch.ones(context_length, context_length)
+        self.register_buffer("mask", torch.triu(ones, diagonal=1))
+        self.split_by_view = False
+
+    def forward(self, x: Any) -> Any:
+        b, n, _ = x.shape
+        if self.split_by_view:  # (b, heads, n, d) straight from (b, n, heads·d): no transpose
+            q, k, v = (
+                f(x).view(b, self.num_heads, n, self.head_dim)
+                for f in (self.W_query, self.W_key, self.W_value)
+            )
+        else:
+            q, k, v = (
+                heads(f(x), self.num_heads) for f in (self.W_query, self.W_key, self.W_value)
+            )
+        s = q @ k.transpose(2, 3)
+        s.masked_fill_(self.mask.bool()[:n, :n], -torch.inf)
+        w = self.dropout(torch.softmax(s / k.shape[-1] ** 0.5, dim=-1))
+        c = w @ v
+        if self.split_by_view:
+            return self.out_proj(c.reshape(b, n, -1))
+        return self.out_proj(merge(c))
+
+
+class FromScratchViewNoTranspose(FromScratchStyle):
+    def __init__(
+        self, d_in: int, d_out: int, context_length: int, dropout: float, num_heads: int
+    ) -> None:
+        super().__init__(d_in, d_out, context_length, dropout, num_heads)
+        self.split_by_view = True
+
+
+class NanoGPTCausalSelfAttention(nn.Module):
+    """Causal by its name: no mask buffer, is_causal=True."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.n_head, self.n_embd, self.dropout = config.n_head, config.n_embd, config.dropout
+
+    def forward(self, x: Any) -> Any:
+        q, k, v = (heads(t, self.n_head) for t in self.c_attn(x).split(self.n_embd, dim=2))
+        drop = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
+        return self.c_proj(merge(y))
+
+
+class UvAStyle(nn.Module):
+    """One fused layer, each head's q, k, v side by side."""
+
+    def __init__(self, input_dim: int, embed_dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.head_dim = embed_dim // num_heads
+        self.qkv_proj = nn.Linear(input_dim, 3 * embed_dim)
+        self.o_proj = nn.Linear(embed_dim, embed_dim)
+
+    def forward(self, x: Any, mask: Any = None) -> Any:
+        b, n, _ = x.shape
+        qkv = self.qkv_proj(x).reshape(b, n, self.num_heads, 3 * self.head_dim).permute(0, 2, 1, 3)
+        q, k, v = qkv.chunk(3, dim=-1)
+        s = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
+        if mask is not None:
+            s = s.masked_fill(mask == 0, -9e15)
+        c = torch.softmax(s, dim=-1) @ v
+        return self.o_proj(c.permute(0, 2, 1, 3).reshape(b, n, self.embed_dim))
+
+
+class GroupedStyle(nn.Module):
+    """Causal by its mask buffer (1 above the diagonal = masked)."""
+
+    def __init__(self, d_in: int, num_heads: int, num_kv_groups: int) -> None:
+        super().__init__()
+        self.register_buffer("mask", torch.triu(torch.ones(16, 16), diagonal=1))
+        self.num_heads, self.groups = num_heads, num_kv_groups
+        self.head_dim = d_in // num_heads
+        self.W_query = nn.Linear(d_in, d_in, bias=False)
+        self.W_key = nn.Linear(d_in, num_kv_groups * self.head_dim, bias=False)
+        self.W_value = nn.Linear(d_in, num_kv_groups * self.head_dim, bias=False)
+        self.out_proj = nn.Linear(d_in, d_in, bias=False)
+        self.tiled = False
+
+    def forward(self, x: Any) -> Any:
+        q = heads(self.W_query(x), self.num_heads)
+        k, v = heads(self.W_key(x), self.groups), heads(self.W_value(x), self.groups)
+        n = self.num_heads // self.groups
+        if self.tiled:
+            k, v = k.repeat(1, n, 1, 1), v.repeat(1, n, 1, 1)
+        else:
+            k, v = k.repeat_interleave(n, dim=1), v.repeat_interleave(n, dim=1)
+        return self.out_proj(merge(F.scaled_dot_product_attention(q, k, v, is_causal=True)))
+
+
+class GroupedTiled(GroupedStyle):
+    def __init__(self, d_in: int, num_heads: int, num_kv_groups: int) -> None:
+        super().__init__(d_in, num_heads, num_kv_groups)
+        self.tiled = True
+
+
+RIGHT = [
+    (CS231nStyle, False),
+    (CS224nStyle, True),
+    (AnnotatedStyle, False),
+    (FromScratchStyle, True),
+    (NanoGPTCausalSelfAttention, True),
+    (UvAStyle, False),
+    (GroupedStyle, True),
+]
+
+
+@pytest.mark.parametrize(("cls", "causal"), RIGHT, ids=[c.__name__ for c, _ in RIGHT])
+def test_a_right_class_in_each_course_convention_passes(cls: type, causal: bool) -> None:
+    report = check_module(cls)
+    assert report.ok and report.findings == (), report.text()
+    assert report.kind.endswith("causal") == causal
+
+
+SLIPS = [
+    (CS231nByModelWidth, "scaled-by-dmodel"),
+    (CS224nDropoutLeftOn, "dropout-at-inference"),
+    (FromScratchViewNoTranspose, "heads-split-without-transpose"),
+    (GroupedTiled, "kv-heads-wrong-order"),
+]
+
+
+@pytest.mark.parametrize(("cls", "code"), SLIPS, ids=[c.__name__ for c, _ in SLIPS])
+def test_a_slip_in_a_class_is_named_like_in_a_function(cls: type, code: str) -> None:
+    report = check_module(cls)
+    assert [f.diagnosis for f in report.findings if f.wrong] == [code], report.text()
+
+
+class EncoderSelfAttention(nn.Module):
+    """Not causal, and no mask parameter."""
+
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.q_proj, self.k_proj = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+        self.v_proj, self.out_proj = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x: Any) -> Any:
+        q, k, v = (heads(f(x), self.n_heads) for f in (self.q_proj, self.k_proj, self.v_proj))
+        return self.out_proj(merge(F.scaled_dot_product_attention(q, k, v)))
+
+
+def test_kind_causal_or_not_overrides_what_the_class_says() -> None:
+    assert check_module(EncoderSelfAttention).ok
+    report = check_module(EncoderSelfAttention, causal=True)
+    assert [f.diagnosis for f in report.findings] == ["mask-ignored"]
+    assert check_module(FromScratchStyle, causal=False).findings[0].diagnosis == "unrecognised"
+    assert check_module(AnnotatedStyle, causal=True).ok  # its mask parameter gets the rule
+
+
+class NeedsVocabulary(nn.Module):
+    def __init__(self, d_model: int, vocabulary: Any) -> None:
+        super().__init__()
+
+
+class RotaryForward(nn.Module):
+    def __init__(self, d_model: int, num_heads: int) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+        self.v, self.o = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x: Any, cos: Any, sin: Any) -> Any:
+        return x
+
+
+class NoLinear(nn.Module):
+    def __init__(self, d_model: int, num_heads: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(d_model, d_model))
+
+    def forward(self, x: Any) -> Any:
+        return x @ self.w
+
+
+@pytest.mark.parametrize(
+    ("cls", "message"),
+    [
+        (NeedsVocabulary, "its constructor takes 'vocabulary', which qkv does not know"),
+        (RotaryForward, r"cannot call RotaryForward\.forward\(x, cos, sin\)"),
+        (NoLinear, "has no nn.Linear layer"),
+        (types.SimpleNamespace, "is not an nn.Module class"),
+    ],
+    ids=["constructor", "forward", "projections", "not-a-module"],
+)
+def test_a_class_qkv_cannot_drive_is_one_line(cls: Any, message: str) -> None:
+    with pytest.raises(FunctionError, match=message) as caught:
+        check_module(cls)
+    assert "\n" not in str(caught.value) and "Hint" in str(caught.value)
+
+
+def test_cli_module_runs_the_file_in_its_process(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "attention.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            import math
+            import torch
+            from torch import nn
+
+            class MultiHeadAttention(nn.Module):
+                def __init__(self, d_in, d_out, context_length, dropout, num_heads):
+                    super().__init__()
+                    self.h = num_heads
+                    self.W_query = nn.Linear(d_in, d_out, bias=False)
+                    self.W_key = nn.Linear(d_in, d_out, bias=False)
+                    self.W_value = nn.Linear(d_in, d_out, bias=False)
+                    self.out_proj = nn.Linear(d_out, d_out)
+                    ones = torch.ones(context_length, context_length)
+                    self.register_buffer("mask", torch.triu(ones, diagonal=0))  # 1 meant
+
+                def forward(self, x):
+                    b, n, e = x.shape
+                    q, k, v = (f(x).view(b, n, self.h, -1).transpose(1, 2)
+                               for f in (self.W_query, self.W_key, self.W_value))
+                    s = q @ k.transpose(2, 3) / math.sqrt(k.shape[-1])
+                    s = s.masked_fill(self.mask.bool()[:n, :n], -torch.inf)
+                    c = torch.softmax(s, dim=-1) @ v
+                    return self.out_proj(c.transpose(1, 2).reshape(b, n, e))
+
+            print(MultiHeadAttention(4, 4, 8, 0.0, 2)(torch.zeros(1, 3, 4)).shape)
+            """
+        ),
+        encoding="utf-8",
+    )
+    target = f"{path}:MultiHeadAttention"
+    assert main(["check", "--module", target]) == 1
+    out = capsys.readouterr().out
+    assert "causal-off-by-one" in out and "W_query, W_key, W_value, out_proj" in out
+    assert main(["check", "--module", target, "--format", "json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert [f["diagnosis"] for f in data["findings"]] == ["causal-off-by-one"]
+    assert main(["check", "--module", f"{path}:nothing"]) == 2
+    assert "no function named 'nothing'" in capsys.readouterr().err
+    assert main(["check", "--module", target, "--function", target]) == 2
+    assert "not both" in capsys.readouterr().err
