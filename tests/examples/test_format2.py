@@ -41,14 +41,15 @@ def test_the_doc_has_an_example_of_each_feature() -> None:
         "per_head:",
         "assumed:",
         "precision:",
+        "dtype: float32",
     ):
         assert feature in blocks, feature
 
 
-@pytest.mark.parametrize("k", range(8))
+@pytest.mark.parametrize("k", range(9))
 def test_documented_format2_examples_load_and_check_clean(k: int) -> None:
     blocks = _format2_blocks()
-    assert len(blocks) == 8
+    assert len(blocks) == 9
     example = loads(blocks[k])
     assert example.format == 2
     report = check(example)

@@ -89,19 +89,29 @@ class FunctionReport(ReportData):
         import textwrap
 
         report = self.visible()
-        lines = [f"{self._command()}: {report.name} (kind {self.kind}, {self.array} probes)"]
+
+        def wrap(text: str, first: str = "", rest: str = "  ") -> list[str]:
+            return textwrap.wrap(
+                text, width, initial_indent=first, subsequent_indent=rest, break_on_hyphens=False
+            )
+
+        title = f"{self._command()}: {report.name} (kind {self.kind}, {self.array} probes)"
+        lines = wrap(title)
         for line in self._header(report):
-            lines += textwrap.wrap(line, width, subsequent_indent="  ")
+            lines += wrap(line)
         if report.ok and not report.findings:
             lines.append("✓ No mistake found: every probe gives attention's numbers.")
         for f in report.findings:
             mark = "✗" if f.wrong else "~"
-            lines.append(f"{mark} {f.status}: {f.diagnosis} · probe {f.token!r}, row {f.position}")
+            lines += wrap(f"{mark} {f.status}: {f.diagnosis} · probe {f.token!r}, row {f.position}")
+            numbers = " " * 14
             if f.printed:
-                lines.append("    returned: " + ", ".join(f.printed))
+                lines += wrap(", ".join(f.printed), "    returned: ", numbers)
             if f.expected:
-                lines.append("    correct:  " + ", ".join(number(x, 4) for x in f.expected))
-            lines += textwrap.wrap(f.message, width, initial_indent="  ", subsequent_indent="  ")
+                lines += wrap(
+                    ", ".join(number(x, 4) for x in f.expected), "    correct:  ", numbers
+                )
+            lines += wrap(f.message, "  ")
         return "\n".join(lines) + "\n"
 
     def markdown(self) -> str:
