@@ -3,7 +3,7 @@ named by its code, a correct function gets no finding, and a file that cannot be
 forever or crashes is a one-line error with exit status 2.
 
 The buggy functions below are written the way students write them (one slip each), not taken
-from the slip table they are diagnosed against (``qkv.check._function_slips.CODES``).
+from the slip table they are diagnosed against (``qkv.check._function_codes.CODES``).
 """
 
 from __future__ import annotations

@@ -103,3 +103,12 @@ def test_a_file_that_is_no_python_is_one_line(
     assert main(["check", "--function", f"{path}:attention"]) == 2
     err = capsys.readouterr().err
     assert "line 1: SyntaxError" in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_file_too_large_for_an_exercise_is_refused_before_it_runs(tmp_path: Path) -> None:
+    from qkv.check._student_file import MAX_SOURCE_BYTES, StudentFileError, run_student_file
+
+    path = tmp_path / "huge.py"
+    path.write_bytes(b"#" * (MAX_SOURCE_BYTES + 1))
+    with pytest.raises(StudentFileError, match=r"bytes, more than .* for a Python file"):
+        run_student_file(path)

@@ -17,6 +17,7 @@ from typing import Any
 
 from qkv._format import markdown_escape, number, visible
 from qkv.check._findings import ReportData
+from qkv.check._function_codes import FUNCTION_DIAGNOSES
 from qkv.check._function_diagnose import diagnose
 from qkv.check._function_run import (
     ARRAYS,
@@ -26,7 +27,6 @@ from qkv.check._function_run import (
     takes_mask,
     validate,
 )
-from qkv.check._function_slips import FUNCTION_DIAGNOSES
 from qkv.check._module_adapt import ModuleError, adapt_class
 from qkv.check._probes import KV_HEADS, Spec
 

@@ -2,7 +2,7 @@
 
 What the function returned on each probe (:class:`~qkv.check._function_run.Outcome`) is
 compared with the correct attention and with each slip of
-:func:`~qkv.check._function_slips.slips_of`, computed in NumPy float64. Outputs that change
+:func:`~qkv.check._function_codes.slips_of`, computed in NumPy float64. Outputs that change
 between two calls on the same inputs are dropout left on; otherwise the first slip that
 reproduces every main probe names the mistake; the probe with large scores catches a softmax
 without max-subtraction (when the same rows are finite at ordinary scores), the probe with a
@@ -19,8 +19,8 @@ from numpy.typing import NDArray
 
 from qkv._format import number
 from qkv.check._findings import Finding
+from qkv.check._function_codes import FUNCTION_DIAGNOSES, Tried, slips_of
 from qkv.check._function_run import Outcome
-from qkv.check._function_slips import FUNCTION_DIAGNOSES, Tried, slips_of
 from qkv.check._probes import ORDER_SCORES, Probe, Spec, causal_allow, per_slice, probes
 
 __all__ = ["FUNCTION_DIAGNOSES", "diagnose"]

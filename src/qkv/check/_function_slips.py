@@ -1,31 +1,37 @@
-"""Every code ``qkv check --function`` reports, declared once: its sentence, and the slips
-that give it, computed on a probe in NumPy float64.
+"""The slips of attention code, computed on a probe in NumPy float64.
 
 A slip is a small function of a :class:`~qkv.check._probes.Probe` that returns what a
 function making that mistake returns on it, (context, weights); it raises ValueError where
-such a function would fail (a shape that does not fit). Several variants may share a code
-(a causal mask off by one hides the diagonal, or shows one future key); each says which in
-its ``detail``. Codes found otherwise than by making the slip (``not-softmax``,
-``no-max-subtraction``, ``dropout-at-inference``, ``masked-row-nan``, ``unbatched``,
-``unrecognised``) have no variant: :mod:`~qkv.check._function_diagnose` finds them.
-
-To add a code: one :class:`FunctionCode` in :data:`CODES` (the order there is the order the
-slips are tried), a buggy function in the tests that makes it, and its line in
-``docs/check-function.md``.
+such a function would fail (a shape that does not fit). :func:`single` and :func:`multi`
+make them, for single-head functions (kinds attention and causal) and for functions that
+split heads themselves (kinds multi-head and gqa), from a few options: the scale, the mask
+rule, the normalisation, how heads are split, merged and grouped. Each returns a maker: a
+function of the :class:`~qkv.check._probes.Spec` that gives the slip, or None where it
+does not apply. Which slip is which code is :mod:`~qkv.check._function_codes`'s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import NDArray
 
-from qkv.check._findings import DIAGNOSES
 from qkv.check._probes import Probe, Spec, causal_allow
 
-__all__ = ["CODES", "FUNCTION_DIAGNOSES", "FunctionCode", "Slip", "SlipVariant", "slips_of"]
+__all__ = [
+    "DIAGONAL_HIDDEN",
+    "IGNORED",
+    "INVERTED",
+    "INVERTED_DIAGONAL",
+    "ONE_AHEAD",
+    "OTHER_CORNER",
+    "RIGHT",
+    "Slip",
+    "SlipMaker",
+    "multi",
+    "single",
+]
 
 Array = NDArray[np.float64]
 Slip = Callable[[Probe], tuple[Array, Array]]
@@ -125,7 +131,7 @@ def _applies(spec: Spec, rule: str, after_softmax: bool) -> bool:
 SlipMaker = Callable[[Spec], Slip | None]
 
 
-def _single(
+def single(
     *,
     rule: str = RIGHT,
     scale: str = "sqrt",
@@ -184,7 +190,7 @@ def _kv_head(i: int, heads: int, kv_heads: int, how: str) -> int:
     return i
 
 
-def _multi(
+def multi(
     *,
     scale: str = "head",
     ndim: int = 2,
@@ -249,246 +255,3 @@ def _multi(
         return slip
 
     return make
-
-
-@dataclass(frozen=True)
-class SlipVariant:
-    """One way to make a slip: a maker (None where it does not apply to a kind of function)
-    and, where a code has several, a sentence saying which one it was."""
-
-    make: SlipMaker
-    detail: str = ""
-
-
-@dataclass(frozen=True)
-class FunctionCode:
-    """A code of ``qkv check --function``: what is wrong and what it should be, and the
-    slips that give it (none for a code found otherwise)."""
-
-    code: str
-    sentence: str
-    variants: tuple[SlipVariant, ...] = ()
-
-
-def _both(
-    *,
-    rule: str = RIGHT,
-    scale: str = "",
-    normalise: str = "softmax",
-    swap: bool = False,
-    after_softmax: bool = False,
-) -> tuple[SlipVariant, SlipVariant]:
-    """The same slip for single-head and multi-head functions (``scale``: none or dk)."""
-    common = {"rule": rule, "normalise": normalise, "swap": swap, "after_softmax": after_softmax}
-    return (
-        SlipVariant(_single(scale=scale or "sqrt", **common)),  # type: ignore[arg-type]
-        SlipVariant(_multi(scale=scale or "head", **common)),  # type: ignore[arg-type]
-    )
-
-
-_HIDDEN = "Here the diagonal is hidden: query i sees keys 0 … i − 1, and the first sees none."
-_AHEAD = "Here one future key is shown: query i sees keys 0 … i + 1."
-_TRIU = (
-    "A causal mask built with triu where tril was meant keeps the diagonal: each query "
-    "attends itself and the keys after it."
-)
-
-CODES: tuple[FunctionCode, ...] = (
-    FunctionCode(
-        "unscaled",
-        "the scores are not divided by √d_k before the softmax; attention is softmax(Q·Kᵀ/√d_k)·V",
-        _both(scale="none"),
-    ),
-    FunctionCode(
-        "scaled-by-dk", "the scores are divided by d_k instead of √d_k", _both(scale="dk")
-    ),
-    FunctionCode(
-        "scaled-by-dmodel", DIAGNOSES["scaled-by-dmodel"], (SlipVariant(_multi(scale="dmodel")),)
-    ),
-    FunctionCode(
-        "scaled-by-ndim",
-        "the scores are divided by the square root of the number of axes of the array "
-        "(Q.ndim, Q.dim(), len(Q.shape)) instead of √d_k, the size of the last axis: take d_k "
-        "as Q.shape[-1]",
-        (
-            SlipVariant(_single(scale="ndim")),
-            *(SlipVariant(_multi(scale="ndim", ndim=n)) for n in (2, 3, 4)),
-        ),
-    ),
-    FunctionCode(
-        "scaled-by-num-heads",
-        "each head's scores are divided by √num_heads instead of √d_head (d_head = d_model / "
-        "num_heads, the size of one head's query and key vectors)",
-        (SlipVariant(_multi(scale="heads")),),
-    ),
-    FunctionCode(
-        "transposed-weights",
-        "X·Wᵀ instead of X·W: with row vectors, Q = X·W_q (the same for K, V and the output W_o)",
-        (
-            SlipVariant(
-                _multi(transposed=("W_q", "W_k", "W_v")),
-                "Here W_q, W_k and W_v were used transposed and W_o as it is (the habit of "
-                "nn.Linear, whose weight is stored as Wᵀ).",
-            ),
-            SlipVariant(
-                _multi(transposed=("W_q", "W_k", "W_v", "W_o")),
-                "Here all four, W_q, W_k, W_v and W_o, were used transposed.",
-            ),
-            SlipVariant(_multi(transposed=("W_o",)), "Here only W_o was used transposed."),
-        ),
-    ),
-    FunctionCode(
-        "softmax-wrong-axis",
-        "softmax over the queries (axis -2) instead of over the keys: each row of weights, one "
-        "per query, must sum to 1 (softmax over the last axis)",
-        _both(normalise="columns"),
-    ),
-    FunctionCode(
-        "query-key-swapped",
-        "K·Qᵀ instead of Q·Kᵀ: row i of the scores must hold query i's scores against every key",
-        _both(swap=True),
-    ),
-    FunctionCode("sum-normalised", DIAGNOSES["sum-normalised"], _both(normalise="sum")),
-    FunctionCode("mask-ignored", DIAGNOSES["mask-ignored"], _both(rule=IGNORED)),
-    FunctionCode(
-        "mask-inverted",
-        DIAGNOSES["mask-inverted"],
-        (
-            *_both(rule=INVERTED),
-            SlipVariant(_single(rule=INVERTED_DIAGONAL), _TRIU),
-            SlipVariant(_multi(rule=INVERTED_DIAGONAL), _TRIU),
-        ),
-    ),
-    FunctionCode(
-        "causal-misaligned",
-        DIAGNOSES["causal-misaligned"],
-        (SlipVariant(_single(rule=OTHER_CORNER)),),
-    ),
-    FunctionCode(
-        "causal-off-by-one",
-        "the causal mask is off by one: query i must see the keys 0 … i, itself included "
-        "(np.tril(ones) keeps the diagonal; torch.triu(ones, diagonal=1) marks the masked "
-        "keys)",
-        (
-            SlipVariant(_single(rule=DIAGONAL_HIDDEN), _HIDDEN),
-            SlipVariant(_multi(rule=DIAGONAL_HIDDEN), _HIDDEN),
-            SlipVariant(_single(rule=ONE_AHEAD), _AHEAD),
-            SlipVariant(_multi(rule=ONE_AHEAD), _AHEAD),
-        ),
-    ),
-    FunctionCode(
-        "mask-after-softmax",
-        "the mask is applied after the softmax and the weights are not renormalised, so a row "
-        "no longer sums to 1: set the masked scores to −inf before the softmax",
-        _both(after_softmax=True),
-    ),
-    FunctionCode(
-        "heads-averaged",
-        DIAGNOSES["heads-averaged"],
-        (
-            SlipVariant(_multi(averaged="weights")),
-            SlipVariant(
-                _multi(averaged="outputs"),
-                "Here each head's context went through its rows of W_o and the heads' outputs "
-                "were averaged, not added: the output is 1/num_heads of attention's.",
-            ),
-        ),
-    ),
-    FunctionCode(
-        "heads-split-without-transpose",
-        "the heads are split with a reshape (or view) to (heads, L, d_head) without a "
-        "transpose, so each head mixes the rows of several tokens: reshape to (L, heads, "
-        "d_head), then transpose to (heads, L, d_head)",
-        (
-            SlipVariant(
-                _multi(split="reshape", merge="reshape"),
-                "The heads were put back together with the same reshape.",
-            ),
-            SlipVariant(_multi(split="reshape"), "The heads were put back together right."),
-        ),
-    ),
-    FunctionCode(
-        "heads-merged-without-transpose",
-        "the heads' context vectors, (heads, L, d_head), are merged with a reshape to (L, "
-        "d_model) without transposing (permuting) them back first, so the tokens' rows are "
-        "scrambled: transpose to (L, heads, d_head), then reshape",
-        (SlipVariant(_multi(merge="reshape")),),
-    ),
-    FunctionCode(
-        "kv-heads-wrong-order",
-        "query head h must use key/value head h // (H/Hkv): consecutive query heads share one "
-        "(torch.repeat_interleave, np.repeat). This used key/value head h % Hkv (torch.repeat "
-        "or np.tile puts the copies in the wrong order)",
-        (SlipVariant(_multi(kv="tile")),),
-    ),
-    FunctionCode(
-        "kv-heads-not-repeated",
-        "the key/value heads are not repeated for the query heads of their group: with Hkv < H, "
-        "repeat each key/value head H/Hkv times (repeat_interleave) before Q·Kᵀ",
-        (SlipVariant(_multi(kv="broadcast")), SlipVariant(_multi(kv="loop"))),
-    ),
-    FunctionCode(
-        "not-softmax",
-        "the weights are not a softmax of the scores: each row must be exp(s_j) / Σ exp(s), so "
-        "a larger score always gets a larger weight, in a fixed ratio e^(s_j − s_k)",
-    ),
-    FunctionCode(
-        "no-max-subtraction",
-        "softmax overflows to inf or NaN at large scores: subtract each row's maximum score "
-        "before exp (softmax does not change)",
-    ),
-    FunctionCode(
-        "dropout-at-inference",
-        "the outputs change between two calls with the same inputs: dropout is left on when "
-        "the function is used, not trained. Apply dropout only while training "
-        "(F.dropout(w, p, training=self.training), or model.eval() with nn.Dropout)",
-    ),
-    FunctionCode(
-        "masked-row-nan",
-        "a fully masked row gives NaN; qkv's policy gives it zero weights and a zero context "
-        "(a note, not an error)",
-    ),
-    FunctionCode(
-        "unbatched",
-        "right on (L, d) inputs but not on batched (B, H, L, d) inputs: use K.swapaxes(-1, -2) "
-        "(NumPy) or K.transpose(-2, -1) (torch) instead of K.T, take d_k as Q.shape[-1], and "
-        "take the softmax over the last axis",
-    ),
-    FunctionCode(
-        "unrecognised", "the outputs are not attention's and match none of the known slips"
-    ),
-)
-"""Every code of ``--function``, in the order its slips are tried. Codes a worked example can
-show too share :data:`~qkv.check.DIAGNOSES`'s sentence; the others say it in terms of code
-(axes, ``K.T``)."""
-
-FUNCTION_DIAGNOSES: dict[str, str] = {c.code: c.sentence for c in CODES}
-"""Each code ``--function`` can report, with its sentence: what is wrong and what it should be."""
-
-
-@dataclass(frozen=True)
-class Tried:
-    """A slip tried on the probes: its code (None: the correct function), the computation,
-    and which variant it was."""
-
-    code: str | None
-    slip: Slip
-    detail: str = ""
-
-
-def slips_of(spec: Spec) -> list[Tried]:
-    """The correct function, then every slip that applies to ``spec``, in the order tried.
-
-    Example:
-        >>> [t.code for t in slips_of(Spec("causal", causal=True))][:4]
-        [None, 'unscaled', 'scaled-by-dk', 'scaled-by-ndim']
-    """
-    correct = (_multi() if spec.multi else _single())(spec)
-    assert correct is not None
-    found = [Tried(None, correct)]
-    for entry in CODES:
-        for variant in entry.variants:
-            slip = variant.make(spec)
-            if slip is not None:
-                found.append(Tried(entry.code, slip, variant.detail))
-    return found
