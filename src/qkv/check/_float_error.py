@@ -27,7 +27,7 @@ import math
 
 import numpy as np
 
-from qkv.check._pipeline import Setup, Values, forward
+from qkv.check._pipeline import Setup, Values, forward, merge_heads, split_heads
 
 __all__ = ["ULPS", "UNIT_ROUNDOFF", "float_error"]
 
@@ -36,16 +36,6 @@ UNIT_ROUNDOFF = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 a format-2 example may also say ``float64``: every printed digit held)."""
 ULPS = 2.0
 """Units of roundoff per operation (different libraries add and multiply in other orders)."""
-
-
-def _split(x: np.ndarray, heads: int) -> np.ndarray:
-    length, width = x.shape
-    return x.reshape(length, heads, width // heads).transpose(1, 0, 2)  # (H, L, n)
-
-
-def _merge(x: np.ndarray) -> np.ndarray:
-    heads, length, width = x.shape
-    return x.transpose(1, 0, 2).reshape(length, heads * width)  # (L, H·n)
 
 
 def _product(
@@ -93,8 +83,8 @@ def float_error(setup: Setup, dtype: str) -> Values:
     if "scores" in given:
         scores = np.where(np.isfinite(exact["scores"]), u * np.abs(exact["scores"]), 0.0)
     else:
-        qh, kh = _split(exact["Q"], heads), _split(exact["K"], heads)
-        eq, ek = _split(error["Q"], heads), _split(error["K"], heads)
+        qh, kh = split_heads(exact["Q"], heads), split_heads(exact["K"], heads)
+        eq, ek = split_heads(error["Q"], heads), split_heads(error["K"], heads)
         scores = _product(qh, kh.transpose(0, 2, 1), eq, ek.transpose(0, 2, 1), u)
     error["scores"] = scores
     factor = abs(setup.factor)
@@ -112,12 +102,12 @@ def float_error(setup: Setup, dtype: str) -> Values:
     error["exp_sum"] = (exp * relative).sum(axis=-1, keepdims=True) + ULPS * np.sqrt(
         keys
     ) * u * exp.sum(axis=-1, keepdims=True)
-    vh = _split(exact["V"], heads)  # (H, Lk, Dv)
-    ev = _split(error["V"], heads)
+    vh = split_heads(exact["V"], heads)  # (H, Lk, Dv)
+    ev = split_heads(error["V"], heads)
     terms = error["weights"][..., None] * np.abs(vh)[:, None] + weights[..., None] * ev[:, None]
     terms = terms + u * np.abs(weights[..., None] * vh[:, None])  # (H, Lq, Lk, Dv)
     error["products"] = terms.reshape(*weights.shape[:2], -1)
-    error["context"] = _merge(_product(weights, vh, error["weights"], ev, u))
+    error["context"] = merge_heads(_product(weights, vh, error["weights"], ev, u))
     if setup.W_o is None:
         error["output"] = error["context"].copy()
     else:

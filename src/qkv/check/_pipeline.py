@@ -43,8 +43,10 @@ __all__ = [
     "Values",
     "correct_values",
     "forward",
+    "merge_heads",
     "row_of",
     "slot_head",
+    "split_heads",
     "step_of",
 ]
 
@@ -268,12 +270,14 @@ class Setup:
         return allowed
 
 
-def _split(x: np.ndarray, heads: int) -> np.ndarray:
+def split_heads(x: np.ndarray, heads: int) -> np.ndarray:
+    """(L, H·n) → (H, L, n)."""
     length, width = x.shape
     return x.reshape(length, heads, width // heads).transpose(1, 0, 2)  # (H, L, D)
 
 
-def _merge(x: np.ndarray) -> np.ndarray:
+def merge_heads(x: np.ndarray) -> np.ndarray:
+    """(H, L, n) → (L, H·n)."""
     heads, length, dim = x.shape
     return x.transpose(1, 0, 2).reshape(length, heads * dim)  # (L, H·D)
 
@@ -357,7 +361,7 @@ def forward(setup: Setup, slip: Slip | None = None, overrides: Overrides | None 
         q = q.copy()
         q[slip.row] = q[slip.query]
     k, v = _put(k, "K", ov, heads), _put(v, "V", ov, heads)
-    qh, kh, vh = (_split(x, heads) for x in (q, k, v))  # (H, Lq, D), (H, Lk, D), (H, Lk, Dv)
+    qh, kh, vh = (split_heads(x, heads) for x in (q, k, v))  # (H, Lq, D), (H, Lk, D), (H, Lk, Dv)
 
     # (H, Lq, Lk): q_i·k_j, or the scores given
     scores = given["scores"][None].copy() if "scores" in given else qh @ kh.transpose(0, 2, 1)
@@ -394,7 +398,7 @@ def forward(setup: Setup, slip: Slip | None = None, overrides: Overrides | None 
     terms = weights[..., None] * vh[:, None, :, :]  # (H, Lq, Lk, Dv): w_j·v_j
     products = _put(terms.reshape(*weights.shape[:2], -1), "products", ov, heads)
     terms = products.reshape(terms.shape)
-    context = _merge(terms.sum(axis=2))  # (Lq, H·Dv)
+    context = merge_heads(terms.sum(axis=2))  # (Lq, H·Dv)
     if code == HEADS_AVERAGED:
         context = weights.mean(axis=0) @ v  # one weighting for all of V
     if code == NOT_SUMMED and slip is not None:
@@ -444,7 +448,7 @@ def correct_values(example: Example) -> Values:
         return value[None] if value.ndim == 2 else value  # (H, ...)
 
     for name in ("Q", "K", "V", "context"):
-        values[name] = _merge(heads_first(name))  # (L, H·n)
+        values[name] = merge_heads(heads_first(name))  # (L, H·n)
     for name in ("scores", "scaled", "weights"):
         values[name] = heads_first(name)  # (H, L, L)
     values["output"] = (
