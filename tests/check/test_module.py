@@ -372,3 +372,17 @@ def test_cli_module_runs_the_file_in_its_process(
     assert "no function named 'nothing'" in capsys.readouterr().err
     assert main(["check", "--module", target, "--function", target]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+class FusedForwardRaises(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.c_attn, self.c_proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
+
+    def forward(self, x: Any) -> Any:
+        raise RuntimeError("not written yet")
+
+
+def test_a_class_whose_forward_raises_is_one_line() -> None:
+    with pytest.raises(FunctionError, match=r"raised RuntimeError: not written yet"):
+        check_module(FusedForwardRaises)

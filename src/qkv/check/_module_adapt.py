@@ -428,7 +428,10 @@ def _fused_layout(
         module = _build(cls, 16, heads, kv_heads, causal)
         w = {"q": w_q, "k": w_k, "v": w_v, "o": np.eye(16)}
         _set_all(_find(module), w, heads, heads, layout)
-        out = _run(module, x, copies, mask, causal)
+        try:
+            out = _run(module, x, copies, mask, causal)
+        except Exception:  # the student's forward may raise anything: the probes will say
+            continue
         if out.shape == (1, 16) and np.allclose(out, x @ w_v, atol=1e-9):
             return layout
     return "blocks"
