@@ -192,8 +192,9 @@ def _unavailable(level: str) -> str:
             return "bwrap is not installed. Hint: 'apt install bubblewrap' (Debian, Ubuntu)"
         if not _bubblewrap_works():
             return (
-                "bwrap is installed but cannot create its namespaces here. Hint: allow "
-                "unprivileged user namespaces, or use isolation 'process'"
+                "bwrap is installed but does not run with qkv's options here (it needs "
+                "bubblewrap 0.8 or later and user namespaces). Hint: upgrade bubblewrap or "
+                "allow user namespaces, or use isolation 'namespaces' or 'process'"
             )
         return ""
     if level == "namespaces" and not _namespaces_work():

@@ -32,9 +32,7 @@ class SizeError(ValueError):
         value: its value. estimate: the bytes needed. available: the machine's memory.
     """
 
-    def __init__(
-        self, field: str, value: int, default: int, estimate: int, available: int
-    ) -> None:
+    def __init__(self, field: str, value: int, default: int, estimate: int, available: int) -> None:
         self.field, self.value, self.default = field, value, default
         self.estimate, self.available = estimate, available
         super().__init__(self.message(f"{field}={value}", field))
