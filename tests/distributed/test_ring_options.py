@@ -74,7 +74,12 @@ def test_options_that_differ_between_ranks_fail_on_every_rank(tmp_path: Path) ->
 
 def test_the_option_digest_is_equal_for_equal_options_only() -> None:
     def encode(**options: Any) -> list[int]:
-        given = {"is_causal": False, "layout": "zigzag", "strategy": "ring", "scale": None}
+        given: dict[str, Any] = {
+            "is_causal": False,
+            "layout": "zigzag",
+            "strategy": "ring",
+            "scale": None,
+        }
         given |= {"sinks": None, "mask": None, **options}
         return encode_options(**given)
 
