@@ -74,6 +74,11 @@ def examples_block(examples: tuple[tuple[str, str], ...]) -> str:
     return "\n".join(lines)
 
 
+MAX_THREADS = max(256, os.cpu_count() or 1)
+"""The most threads ``--threads`` takes: more than any CPU here has (PyTorch fails past a few
+tens of thousands with an internal error)."""
+
+
 def int_in_range(low: int, high: int | None = None) -> Callable[[str], int]:
     """An argparse ``type`` that reads an integer from ``low`` to ``high`` (inclusive)."""
 

@@ -22,6 +22,7 @@ from qkv._train_settings import (
     TrainSettings,
 )
 from qkv.cli._common import (
+    MAX_THREADS,
     Command,
     CommandError,
     examples_block,
@@ -88,7 +89,7 @@ def _common(
     )
     run.add_argument(
         "--threads",
-        type=int_in_range(1),
+        type=int_in_range(1, MAX_THREADS),
         metavar="N",
         help="CPU threads for PyTorch (default: PyTorch's; results repeat for the same N)",
     )
@@ -360,6 +361,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         torch = require("torch", feature="qkv train")
         from qkv import train
+        from qkv.train._size import SizeError
     except MissingExtraError as error:
         raise CommandError(str(error)) from None
     if args.resume and args.out is None:
@@ -426,6 +428,16 @@ def _run(args: argparse.Namespace) -> int:
 
                 print(format_drift(outcome.drift, frozen=outcome.frozen))
                 print(f"(every word: {out / DRIFT})")
+    except SizeError as error:
+        option = "--" + error.field.replace("_", "-")
+        raise CommandError(error.message(f"{option} {error.value}", option)) from None
+    except (MemoryError, RuntimeError) as error:  # a backstop: the estimate is rough
+        if not isinstance(error, MemoryError) and "can't allocate memory" not in str(error):
+            raise
+        raise CommandError(
+            "the run ran out of memory. Hint: a smaller --d-model, --embedding-dim, "
+            "--batch-size or --layers"
+        ) from None
     except KeyboardInterrupt:
         print(
             f"qkv: interrupted; continue with: qkv train {args.train_task} --out {out} --resume",

@@ -42,6 +42,7 @@ from qkv.train._classify import (
 from qkv.train._loop import FitResult, StepInfo, fit
 from qkv.train._models import RecallModel
 from qkv.train._resolve import qkv_version, resolve, saved_config, training_settings
+from qkv.train._size import check_classify, check_recall
 from qkv.train._tasks import RecallTask
 from qkv.train._text import GENERATED, LabelledTexts
 
@@ -123,6 +124,7 @@ def train_recall(
         "seed": seed,
     }
     options = _recall_options(given, saved)
+    check_recall(options)  # before anything is allocated
     settings = training_settings(training, saved, RECALL_TRAINING)
     task = _recall_task(options)
     seed_everything(options.seed)
@@ -284,6 +286,7 @@ def train_classifier(
     settings = training_settings(training, saved, CLASSIFY_TRAINING)
     columns = {"text_column": text_column, "label_column": label_column}
     options = with_columns(options, {**columns, "group_column": group_column}, saved)
+    check_classify(options)  # before the data is read
     prepared = prepare_texts(data, options, saved)
     vectors = pretrained(
         embeddings, prepared.vocabulary, given_dim=embedding_dim, seed=options.seed, saved=saved
