@@ -54,13 +54,13 @@ def test_the_grid_has_a_map_per_layer_and_head(tab: Tab, model_page: Path) -> No
     assert tab.js(SELECTED) == ["1/2"]
     assert tab.js(VALUE.format("qkv-layer")) == "1"
     assert tab.js(VALUE.format("qkv-head")) == "2"
-    assert "Head 3 of 4" in tab.js("document.querySelector('.steps').textContent")
+    assert "Head 2 of 4 heads" in tab.js("document.querySelector('.steps').textContent")
     # ... and on the last token, the one a causal model predicts from
     query = VALUE.format("qkv-query")
     assert tab.js(query) == str(tab.js("document.getElementById('qkv-query').length") - 1)
     label = tab.js("document.querySelector('.mv-map').getAttribute('aria-label')")
     assert re.fullmatch(
-        r"model\.layers\.0\.self_attn, Head 1 of 4 \(key/value head 1 of 2\): query ran "
+        r"model\.layers\.0\.self_attn, Head 0 of 4 heads \(key/value head 0 of 2\): query ran "
         r"attends most to \S+ \(weight 0\.\d{4}\); largest share in the map \d\.\d{4}\.",
         label,
     ), label
@@ -81,7 +81,7 @@ def test_clicking_a_map_switches_the_head_view_and_the_matrix(tab: Tab, model_pa
     assert tab.js(WEIGHTS_TEXT) != weights
     assert tab.js(LINE_WIDTHS) != widths
     steps = tab.js("document.querySelector('.steps').textContent")
-    assert "Head 2 of 4" in steps and "Head 3 of 4" not in steps
+    assert "Head 1 of 4 heads" in steps and "Head 2 of 4 heads" not in steps
     label = tab.js("document.querySelector('.mv-map').getAttribute('aria-label')")
     assert "query mat attends most to" in label  # the labels follow the query selected
     # the selectors move the grid's mark too

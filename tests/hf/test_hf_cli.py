@@ -98,7 +98,7 @@ def test_the_explanation_says_q_and_k_are_after_rope(
     code, out, _ = run(capsys, "--hf", folders["llama"], "--text", "the cat sat", "--head", "1")
     assert code == 0
     assert "after RoPE" in " ".join(out.split())
-    assert "Head 2 of 4 (key/value head 1 of 2)" in out
+    assert "Head 1 of 4 heads (key/value head 0 of 2)" in out
     assert "model.layers.0.self_attn" in out
     assert max(len(line) for line in out.splitlines()) <= 80
     code, out, _ = run(capsys, "--hf", folders["gpt2"], "--text", "the cat sat")
@@ -170,7 +170,7 @@ def test_html_holds_every_layer_and_head_and_opens_on_the_one_asked(
     assert [len(row["heads"]) for row in view["rows"]] == [4, 4]
     assert view["start"] == {"call": 1, "head": 2}
     titles = [section["title"] for section in data["calls"][1]["sections"]]
-    assert titles[2].startswith("Head 3 of 4")
+    assert titles[2].startswith("Head 2 of 4 heads")
     # every step of every head, for every token of the short text
     names = {step["name"] for step in data["calls"][0]["sections"][0]["steps"]}
     assert {"Q", "K", "V", "scores", "weights", "context"} <= names

@@ -260,6 +260,6 @@ def test_header_names_heads_and_rows_as_the_tables_do() -> None:
         model(torch.randn(1, 5, 16))
     assert t.meta["description"] == (
         "Recorded with qkv.tracing; recorded layers: blocks.0.attn, blocks.1.attn; "
-        "head 1 and head 3 of 4; query rows t0 and t4."
+        "head 0 and head 2 of 4 heads; query rows t0 and t4."
     )
-    assert t2.meta["description"].endswith("head 1 and head 3 of 4; query rows cat and the#3.")
+    assert t2.meta["description"].endswith("head 0 and head 2 of 4 heads; query rows cat and the#3.")
