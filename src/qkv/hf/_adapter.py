@@ -54,10 +54,11 @@ The packed-sequence arguments of the flash kernels (``cu_seq_lens_q``, ...) are 
 _calls: ContextVar[list[int] | None] = ContextVar("qkv_hf_calls", default=None)
 """The number of attention calls inside the current tracing block of a transformers model."""
 
-_formulas: ContextVar[dict[int, dict[str, str]] | None] = ContextVar(
-    "qkv_hf_formulas", default=None
+_projections: ContextVar[dict[int, dict[str, dict[str, Any]]] | None] = ContextVar(
+    "qkv_hf_projections", default=None
 )
-"""How each attention module of the traced model makes Q, K and V (by ``id(module)``)."""
+"""How each attention module of the traced model makes Q, K and V (by ``id(module)``): the
+arguments of :func:`qkv.steps.projection_formula` for each letter it is understood for."""
 
 _PROJECTIONS = {
     "Q": ("q_proj", "query", "q"),
@@ -78,11 +79,12 @@ def rotates_positions(model: Any) -> bool:
     return any("rotary" in type(module).__name__.lower() for module in model.modules())
 
 
-def _projection_formulas(path: str, module: Any, *, rope: bool) -> dict[str, str]:
-    """The formula of each of Q, K and V as ``module`` makes them (``Q = RoPE(X·W_q + b_q)``),
-    for those whose projection it has under a name transformers uses; none when a part of
-    the module is not understood (a normalisation other than ``q_norm``/``k_norm``), so that
-    a trace never claims a formula the model did not compute."""
+def _projection_facts(path: str, module: Any, *, rope: bool) -> dict[str, dict[str, Any]]:
+    """How ``module`` makes each of Q, K and V (the arguments of
+    :func:`~qkv.steps.projection_formula`), for those whose projection it has under a name
+    transformers uses; none when a part of the module is not understood (a normalisation
+    other than ``q_norm``/``k_norm``), so that a trace never claims a formula the model did
+    not compute."""
     children = dict(module.named_children())
     known = {*(n for names in _PROJECTIONS.values() for n in names), *_FUSED}
     known |= {n for names in _NORMS.values() for n in names}
@@ -93,19 +95,35 @@ def _projection_formulas(path: str, module: Any, *, rope: bool) -> dict[str, str
         return {}
     fused = next((children[name] for name in _FUSED if name in children), None)
     cross = any(word in path.lower() for word in _CROSS)
-    formulas = {}
+    facts = {}
     for letter, names in _PROJECTIONS.items():
         projection = next((children[name] for name in names if name in children), fused)
         if projection is None or getattr(projection, "weight", None) is None:
             continue
-        formulas[letter] = projection_formula(
-            letter,
-            source="Y" if cross and letter != "Q" else "X",
-            bias=getattr(projection, "bias", None) is not None,
-            norm=any(children.get(name) is not None for name in _NORMS.get(letter, ())),
-            rope=rope and letter != "V",
+        facts[letter] = {
+            "source": "Y" if cross and letter != "Q" else "X",
+            "bias": getattr(projection, "bias", None) is not None,
+            "norm": any(children.get(name) is not None for name in _NORMS.get(letter, ())),
+            "rope": rope and letter != "V",
+        }
+    return facts
+
+
+def _formulas(module: Any, scaling: float | None, d_k: int) -> dict[str, str] | None:
+    """The formulas of this call's Q, K and V (None: the module is not understood). A module
+    that keeps its own ``scaling`` but passes ``scaling=1.0`` has scaled Q itself (Whisper,
+    OPT: ``q_proj(x) * self.scaling``), and Q's formula says so."""
+    facts = (_projections.get() or {}).get(id(module))
+    if not facts:
+        return None
+    own = getattr(module, "scaling", None)
+    prescaled = scaling == 1.0 and isinstance(own, float) and own != 1.0
+    return {
+        letter: projection_formula(
+            letter, **kwargs, scale=own if prescaled and letter == "Q" else None, d_k=d_k
         )
-    return formulas
+        for letter, kwargs in facts.items()
+    }
 
 
 def _family(module: object) -> str:
@@ -311,7 +329,7 @@ def _run(module: Any, query: Any, key: Any, value: Any, **options: Any) -> Any:
         "family": _family(module),
     }
     with trace.in_layer(name, **facts):
-        return attend((_formulas.get() or {}).get(id(module)))
+        return attend(_formulas(module, options.get("scale"), int(query.shape[-1])))
 
 
 def qkv_mask(**kwargs: Any) -> Any:
@@ -384,14 +402,14 @@ def _adapt(model: Any, trace: Trace) -> Iterator[None]:
     counter = [0]
     runs = [0]
     rope = rotates_positions(model)
-    formulas = {id(m): _projection_formulas(path, m, rope=rope) for path, m in modules}
+    projections = {id(m): _projection_facts(path, m, rope=rope) for path, m in modules}
 
     def count_run(*_: Any) -> None:
         runs[0] += 1
 
     handle = model.register_forward_pre_hook(count_run)
     token = _calls.set(counter)
-    formulas_token = _formulas.set(formulas)
+    projections_token = _projections.set(projections)
     try:
         yield
         if runs[0] and not counter[0]:
@@ -403,7 +421,7 @@ def _adapt(model: Any, trace: Trace) -> Iterator[None]:
         trace.meta.setdefault("hf_calls", 0)
         trace.meta["hf_calls"] += counter[0]
     finally:
-        _formulas.reset(formulas_token)
+        _projections.reset(projections_token)
         _calls.reset(token)
         handle.remove()
         model.set_attn_implementation(previous)

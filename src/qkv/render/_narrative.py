@@ -14,6 +14,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ from qkv._format import latex_escape, latex_visible, number, visible
 from qkv.render._model import Equation, Fact, Math, Narrative, Section, StepView, Table
 from qkv.render._vocabulary import TITLES, latex_formula, meaning, plain_formula
 from qkv.render._worked import WorkedLines
+from qkv.steps import LAYER_INPUT, WORDS
 from qkv.trace import Step, Trace, TraceCall
 
 __all__ = ["TITLES", "narrate"]
@@ -611,7 +613,7 @@ class _CallBuilder:
                 StepView(
                     name=step.name,
                     number=self.numbers[id(step)],
-                    title=TITLES.get(step.name, step.name),
+                    title=self._title(step),
                     formula=Math(plain_formula(step), self._latex_formula(step)),
                     meaning=self._meaning(step),
                     table=self._table(step, value, axes),
@@ -621,8 +623,18 @@ class _CallBuilder:
             )
         return views
 
+    def _layer_input(self, step: Step) -> bool:
+        """Whether ``step`` is the input a model's layer recorded (not token embeddings)."""
+        return step.name == "embeddings" and self.call.layer is not None
+
+    def _title(self, step: Step) -> str:
+        return LAYER_INPUT.title if self._layer_input(step) else TITLES.get(step.name, step.name)
+
     def _meaning(self, step: Step) -> str:
-        """The step's meaning; for the scaling step, what this run did."""
+        """The step's meaning; for the scaling step, what this run did; for a layer's input,
+        what a layer reads (unless the step says it itself)."""
+        if self._layer_input(step) and step.description in ("", WORDS["embeddings"].description):
+            return meaning(replace(step, description=LAYER_INPUT.description))
         _, mode, _ = self.scale
         if step.name == "scaled" and mode == "none":
             return (

@@ -31,16 +31,20 @@ def plain_formula(step: Step) -> str:
 
 
 _PROJECTION = re.compile(
-    r"(?P<letter>[QKV])(?: = (?P<made>(?:RoPE\(|norm\(|\)|[XY]|·|W_[qkv]|b_[qkv]| \+ )+))?"
+    r"(?P<letter>[QKV])(?: = (?P<made>(?:RoPE\(|norm\(|\(|\)|[XY]|·|W_[qkv]|b_[qkv]| \+ "
+    r"| / √d_k| × [0-9][0-9.e+-]*)+))?"
     r"(?:, split into [0-9]+ heads)?"
 )
 """The formulas of Q, K and V that qkv records: ``Q``, ``Q = X·W_q, split into 2 heads``,
-``Q = RoPE(X·W_q + b_q)`` (:func:`qkv.steps.projection_formula`)."""
+``Q = RoPE(X·W_q + b_q)``, ``Q = (X·W_q + b_q) / √d_k``
+(:func:`qkv.steps.projection_formula`)."""
 
 _PROJECTION_LATEX = (
     ("RoPE(", r"\operatorname{RoPE}("),
     ("norm(", r"\operatorname{norm}("),
     ("·", " "),
+    (" / √d_k", r" / \sqrt{d_k}"),
+    (" × ", r" \times "),
 )
 
 
