@@ -116,3 +116,39 @@ def test_pages_without_a_model_have_no_grid(tab: Tab, tmp_path: Path) -> None:
     tab.open(path)
     assert tab.js("document.querySelector('.modelview') === null")
     assert tab.problems() == []
+
+
+@pytest.fixture(scope="module")
+def one_query_page(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The page of issue 25: a grouped-query model (4 heads, 2 key/value heads) with one
+    query row, ``--query cat``."""
+    folder = tmp_path_factory.mktemp("llama-gqa") / "tiny-llama"
+    save_tiny("llama", folder)
+    page = folder.parent / "cat.html"
+    argv = ["explain", "--hf", str(folder), "--text", TEXT, "--query", "cat"]
+    assert main([*argv, "--html", str(page)]) == 0
+    return page
+
+
+def test_every_head_of_a_grouped_query_model_reads_its_context_vector(
+    tab: Tab, one_query_page: Path
+) -> None:
+    """Heads 2 and 3 share key/value head 1: their context panel reads the weighted sum of
+    that head's value vectors (it said "This trace has no context vectors" when the page gave
+    them key/value head 0). The grid's columns are the heads' own numbers, from 0."""
+    tab.open(one_query_page)
+    assert tab.problems() == []
+    headers = tab.js("[...document.querySelectorAll('.mv-head')].map(e => e.textContent)")
+    assert headers == ["0", "1", "2", "3"]
+    reading = "document.querySelector('.panel.reading').innerText"
+    for layer in (0, 1):
+        tab.choose("qkv-layer", layer)
+        for head in range(4):
+            tab.choose("qkv-head", head)
+            text = tab.js(reading)
+            assert "no context vectors" not in text, (layer, head)
+            assert "The context vector of the query “cat”" in text, (layer, head)
+            assert re.search(r"c_cat = 0\.\d{4}·v_the", text), (layer, head)
+            steps = tab.js("document.querySelector('.steps').textContent")
+            assert f"Head {head} of 4 heads (key/value head {head // 2} of 2)" in steps
+    assert tab.problems() == []
