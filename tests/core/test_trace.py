@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -232,7 +232,7 @@ GQA_SELECTIONS = [
 @pytest.mark.parametrize("backend", ["sdpa", "tiled"])
 @pytest.mark.parametrize("selection", GQA_SELECTIONS)
 def test_selected_rows_of_a_fast_backend_keep_the_call_head_counts(
-    backend: str, selection: dict[str, list[int]]
+    backend: Literal["sdpa", "tiled"], selection: dict[str, list[int]]
 ) -> None:
     """A fast backend's traced rows are recomputed for the selected heads only; the call's
     facts still say its own num_heads and num_kv_heads, as the reference's trace does, and
@@ -240,12 +240,10 @@ def test_selected_rows_of_a_fast_backend_keep_the_call_head_counts(
     generator = torch.Generator().manual_seed(5)
     q = torch.randn(1, 4, 5, 3, generator=generator, dtype=torch.float64)
     k, v = (torch.randn(1, 2, 5, 3, generator=generator, dtype=torch.float64) for _ in "kv")
-    runs = {}
-    for name, chosen in (("reference", {}), (backend, selection)):
-        with qkv.tracing(**chosen) as t:
-            qkv.scaled_dot_product_attention(q, k, v, enable_gqa=True, backend=name)
-        runs[name] = t
-    whole, part = runs["reference"], runs[backend]
+    with qkv.tracing() as whole:
+        qkv.scaled_dot_product_attention(q, k, v, enable_gqa=True, backend="reference")
+    with qkv.tracing(heads=selection.get("heads"), queries=selection.get("queries")) as part:
+        qkv.scaled_dot_product_attention(q, k, v, enable_gqa=True, backend=backend)
     (call,) = part.calls
     assert (call.meta["num_heads"], call.meta["num_kv_heads"]) == (4, 2)
     assert (part.meta["num_heads"], part.meta["num_kv_heads"]) == (4, 2)

@@ -262,7 +262,9 @@ def test_header_names_heads_and_rows_as_the_tables_do() -> None:
         "Recorded with qkv.tracing; recorded layers: blocks.0.attn, blocks.1.attn; "
         "head 0 and head 2 of 4 heads; query rows t0 and t4."
     )
-    assert t2.meta["description"].endswith("head 0 and head 2 of 4 heads; query rows cat and the#3.")
+    assert t2.meta["description"].endswith(
+        "head 0 and head 2 of 4 heads; query rows cat and the#3."
+    )
 
 
 def test_a_layer_input_is_not_called_token_embeddings() -> None:

@@ -107,7 +107,10 @@ def test_selected_heads_and_query_are_titled_and_labelled_by_their_original_numb
 def test_selected_sections_hold_the_numbers_of_those_heads_and_rows() -> None:
     whole = render.narrate(gqa_trace())
     selected = render.narrate(gqa_trace(heads=[2, 3], queries=[-1]))
-    for title in ("Head 2 of 4 heads (key/value head 1 of 2)", "Head 3 of 4 heads (key/value head 1 of 2)"):
+    for title in (
+        "Head 2 of 4 heads (key/value head 1 of 2)",
+        "Head 3 of 4 heads (key/value head 1 of 2)",
+    ):
         mine, theirs = section(selected, title), section(whole, title)
         for name in ("Q", "scores", "scaled", "weights", "context"):
             assert mine[name].rows == ("the#4",)
