@@ -150,7 +150,8 @@ def _whole_head_counts(infos: list[CallInfo], steps: list[Step], meta: dict[str,
     for position, info in enumerate(infos):
         facts = info.meta
         shapes = facts.get("shapes")
-        if position not in with_heads or not isinstance(facts.get("rows"), Mapping):
+        rows = facts.get("rows")  # a call of selected rows, recomputed beside a fast backend
+        if position not in with_heads or not isinstance(rows, Mapping):
             continue
         if not isinstance(shapes, Mapping):
             continue
