@@ -67,7 +67,7 @@ def heatmap(
             call that recorded ``step`` (one row of panels each).
         heads: 0-based heads to draw; default all. A trace that recorded only some heads
             (``qkv.tracing(heads=[2, 5])``) names them by their original numbers (2 and 5),
-            as the panel titles do (``head 3``, ``head 6``: numbered from 1).
+            as the panel titles do (``head 2``, ``head 5``).
         values: write the numbers in the cells; default only when Lq and Lk are at most 12.
         precision: decimals of those numbers.
         title: the title above the panels; default the step's title and the example's name.
@@ -213,11 +213,11 @@ def _panels(
     panels: list[_Panel] = []
     several = len(found) > 1
     for row, (index, recorded_step) in enumerate((i, s) for i, s in found if s is not None):
-        name = calls[index].layer or f"call {index + 1}"
+        name = calls[index].layer or f"call {index}"
         numbers = Heads(trace, calls[index]).numbers  # original head numbers, 0-based
         for column, head in enumerate(_heads(recorded_step, heads, numbers)):
             matrix, qs, ks = _matrix(trace, recorded_step, head)
-            title = f"head {numbers[head] + 1}" if _has_heads(recorded_step) else "single head"
+            title = f"head {numbers[head]}" if _has_heads(recorded_step) else "single head"
             panels.append(
                 _Panel(row, column, f"{name}, {title}" if several else title, matrix, qs, ks)
             )

@@ -487,11 +487,12 @@ class Trace:
         parts = [f"recorded layers: {', '.join(names)}"]
         heads = next((info["heads"] for info in layers.values() if "heads" in info), None)
         if heads is not None:
-            # Heads as the section titles name them (Head 1 … Head H); query rows by the
-            # labels of the tables (the token, ``the#4`` when it repeats, ``t4`` without).
+            # Heads as the section titles name them (Head 0 … Head H−1, counted from 0 as
+            # ``heads=`` counts them); query rows by the labels of the tables (the token,
+            # ``the#4`` when it repeats, ``t4`` without).
             total = next(iter(layers.values())).get("num_heads")
-            of = f" of {total}" if total else ""
-            parts.append(f"{and_list(['head ' + str(h + 1) for h in heads])}{of}")
+            of = f" of {total} heads" if total else ""
+            parts.append(f"{and_list(['head ' + str(h) for h in heads])}{of}")
         if rows:
             parts.append(f"query rows {and_list(row_labels(self.tokens, rows))}")
         self.meta["description"] = "Recorded with qkv.tracing; " + "; ".join(parts) + "."
