@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from qkv._format import visible
 from qkv._train_settings import (
     CLASSIFY_TRAINING,
     RECALL_TRAINING,
@@ -507,7 +508,8 @@ def model_trace(args: argparse.Namespace) -> Any:
         raise
     if args.plot is not None or args.html is not None or args.output is not None:
         share = prediction.probabilities[prediction.label]
-        print(f"qkv: the model predicts {prediction.label} ({share:.1%})", file=sys.stderr)
+        label = visible(prediction.label)  # a class name from the checkpoint
+        print(f"qkv: the model predicts {label} ({share:.1%})", file=sys.stderr)
     return trace
 
 

@@ -28,6 +28,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from qkv._format import visible
 from qkv._memory import available_memory
 from qkv._read import FileLimitError, json_value, read_bytes, size_text
 
@@ -91,8 +92,9 @@ _HINT_CONFIG = "the folder's config.json was edited or damaged; save the model a
 
 
 def problem(name: str, what: str, hint: str) -> ValueError:
-    """The one-line error of ``--hf NAME``: ``NAME: what. Hint: hint``."""
-    return ValueError(f"{name}: {what}. Hint: {hint}")
+    """The one-line error of ``--hf NAME``: ``NAME: what. Hint: hint``, with any control
+    character from the folder's name or files escaped."""
+    return ValueError(visible(f"{name}: {what}. Hint: {hint}"))
 
 
 def read_json(folder: Path, file: str, name: str) -> dict[str, Any] | None:

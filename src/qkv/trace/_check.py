@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from qkv._format import visible
+
 __all__ = ["MAX_TRACE_BYTES", "TRACE_FORMAT", "TRACE_VERSION", "TraceFileError"]
 
 TRACE_FORMAT = "qkv-trace"
@@ -32,7 +34,8 @@ class TraceFileError(ValueError):
     """A saved trace that cannot be read: the file, the field and what was expected.
 
     The message reads ``"trace.json: steps[2].shape: expected a list of whole numbers, got
-    a text 'x'"``; the parts are also attributes.
+    a text 'x'"``; the parts are also attributes. The file's own text (keys, names, the
+    file's name) is escaped in the message (:func:`qkv._format.visible`).
 
     Attributes:
         problem: what is wrong.
@@ -46,7 +49,7 @@ class TraceFileError(ValueError):
         self.problem = problem
         self.field = field or None
         self.source = source
-        super().__init__(": ".join(p for p in (source, self.field, problem) if p))
+        super().__init__(visible(": ".join(p for p in (source, self.field, problem) if p)))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild_error, (self.problem, self.field, self.source))
