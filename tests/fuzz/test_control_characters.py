@@ -118,10 +118,6 @@ def _step_name(data: dict[str, Any]) -> None:
     data["steps"][0]["name"] = PAYLOAD
 
 
-def _tokens(data: dict[str, Any]) -> None:
-    data["tokens"] = [PAYLOAD]  # a token for each key, or the file is refused
-
-
 @pytest.mark.parametrize("change", [_index_key, _step_name])
 def test_trace_errors_quote_the_file_escaped(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, change: Callable[[dict[str, Any]], None]
@@ -131,6 +127,17 @@ def test_trace_errors_quote_the_file_escaped(
     capsys.readouterr()
     path = write(tmp_path, "trace.json", json.dumps(data))
     shown(capsys, ["explain", "--trace", path])
+
+
+def test_trace_tokens_reach_the_terminal_escaped(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    data = _trace(tmp_path)
+    data["tokens"] = [PAYLOAD, "b", "c"]
+    capsys.readouterr()
+    path = write(tmp_path, "trace.json", json.dumps(data))
+    shown(capsys, ["explain", "--trace", path], status=0)
+    shown(capsys, ["explain", "--trace", path, "--query", "zz"])  # the tokens, listed
 
 
 # -- labelled data and word vectors --------------------------------------------------------

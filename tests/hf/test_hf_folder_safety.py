@@ -19,8 +19,6 @@ transformers once.
 
 from __future__ import annotations
 
-import json
-import os
 import pickle
 import struct
 import subprocess
@@ -32,10 +30,9 @@ import pytest
 
 from qkv.cli import main
 from tests.support.hf_models import save_tiny, variant
+from tests.support.isolated import run_cli_isolated
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-MEMORY = 2 << 30
 
 
 @pytest.fixture(scope="module")
@@ -56,32 +53,6 @@ class Evil:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (open, (self.canary, "w"))
-
-
-def run_isolated(runs: list[list[str]], *, answer: str = "y\n" * 50) -> list[tuple[int, str]]:
-    """``qkv ARGV`` for each of ``runs`` in one child with 2 GiB of address space, a time
-    limit, and ``answer`` on its stdin; (exit status, stderr) of each."""
-    code = (
-        "import contextlib, io, json, resource, sys\n"
-        f"resource.setrlimit(resource.RLIMIT_AS, ({MEMORY}, {MEMORY}))\n"
-        "from qkv.cli import main\n"
-        "results = []\n"
-        f"for argv in {runs!r}:\n"
-        "    err = io.StringIO()\n"
-        "    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):\n"
-        "        results.append((main(argv), err.getvalue()))\n"
-        "print(json.dumps(results))\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        input=answer,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    return [(int(c), str(e)) for c, e in json.loads(done.stdout.splitlines()[-1])]
 
 
 def one_line(result: tuple[int, str]) -> str:
@@ -143,7 +114,8 @@ def test_a_folder_with_its_own_code_runs_none_of_it_even_when_stdin_says_yes(
         remote_model(base, tmp_path / "model", canary),
         remote_tokenizer(base, tmp_path / "tokenizer", canary),
     ]
-    results = run_isolated([["explain", "--hf", str(f), "--text", "the cat"] for f in folders])
+    runs = [["explain", "--hf", str(f), "--text", "the cat"] for f in folders]
+    results = run_cli_isolated(runs, stdin="y\n" * 50)
     assert not canary.exists(), f"the folder's {canary.read_text()} code ran"
     model, tokenizer = (one_line(r) for r in results)
     assert "would run code from the folder (config.json's auto_map names" in model
@@ -264,9 +236,8 @@ def hostile_folders(base: Path, root: Path, canary: Path) -> dict[str, tuple[Pat
 def test_hostile_folders_are_one_line_before_anything_is_built(base: Path, tmp_path: Path) -> None:
     canary = tmp_path / "CANARY"
     cases = hostile_folders(base, tmp_path, canary)
-    results = run_isolated(
-        [["explain", "--hf", str(folder), "--text", "the cat"] for folder, _ in cases.values()]
-    )
+    runs = [["explain", "--hf", str(folder), "--text", "the cat"] for folder, _ in cases.values()]
+    results = run_cli_isolated(runs, stdin="y\n" * 50)
     for (case, (_, expected)), result in zip(cases.items(), results, strict=True):
         assert expected in one_line(result), (case, result)
     assert not canary.exists()
