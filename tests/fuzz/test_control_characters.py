@@ -197,6 +197,15 @@ def test_checkpoint_labels_reach_the_terminal_escaped(
     assert "the model predicts" in shown(capsys, argv, status=0)
 
 
+def test_a_data_file_label_the_model_does_not_know_is_escaped(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, run_folder: Path
+) -> None:
+    rows = [{"text": "the food was great", "label": PAYLOAD}]
+    data = write(tmp_path, "data.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
+    line = shown(capsys, ["evaluate", str(run_folder), "--data", data])
+    assert "is not one the model knows" in line
+
+
 def test_checkpoint_errors_quote_the_file_escaped(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, run_folder: Path
 ) -> None:
