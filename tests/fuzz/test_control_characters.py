@@ -24,6 +24,7 @@ import pytest
 
 from qkv._format import visible
 from qkv.cli import main
+from tests.support.runs import edit_config, tiny_run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -166,17 +167,7 @@ def test_word_vector_errors_quote_the_file_escaped(
 
 @pytest.fixture(scope="module")
 def run_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("runs") / "classify"
-    argv = ["train", "classify", "--out", str(out), "--embedding-dim", "8", "--sentences", "80"]
-    assert main([*argv, "--steps", "4", "--eval-every", "2", "--quiet"]) == 0
-    return out
-
-
-def _edit_config(run: Path, change: Callable[[dict[str, Any]], None]) -> None:
-    for manifest in run.rglob("checkpoint.json"):
-        saved = json.loads(manifest.read_text(encoding="utf-8"))
-        change(saved["config"])
-        manifest.write_text(json.dumps(saved), encoding="utf-8")
+    return tiny_run(tmp_path_factory.mktemp("runs") / "classify", "classify")
 
 
 def test_checkpoint_labels_reach_the_terminal_escaped(
@@ -188,7 +179,7 @@ def test_checkpoint_labels_reach_the_terminal_escaped(
     def labels(config: dict[str, Any]) -> None:
         config["data"]["labels"] = [PAYLOAD + str(i) for i in range(len(config["data"]["labels"]))]
 
-    _edit_config(run, labels)
+    edit_config(run, labels)
     capsys.readouterr()
     line = shown(capsys, ["evaluate", str(run), "--data", "generated", "--sentences", "20"])
     assert "is not one the model knows" in line
@@ -215,7 +206,7 @@ def test_checkpoint_errors_quote_the_file_escaped(
     def vocabulary(config: dict[str, Any]) -> None:
         config["data"]["vocabulary"] = [PAYLOAD, 3]
 
-    _edit_config(run, vocabulary)
+    edit_config(run, vocabulary)
     capsys.readouterr()
     shown(capsys, ["evaluate", str(run), "--data", "generated"])
 

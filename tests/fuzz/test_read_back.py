@@ -24,6 +24,7 @@ from qkv import examples
 from qkv.cli import main
 from qkv.trace import Trace, TraceFileError
 from tests.support.isolated import run_cli_isolated
+from tests.support.runs import edit_config, tiny_run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -156,19 +157,7 @@ def test_a_decoding_trace_with_growing_keys_reads_back(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
-    small = ["--steps", "4", "--eval-every", "2", "--quiet"]
-    classify = ["train", "classify", "--out", str(root / "classify"), "--sentences", "80"]
-    assert main([*classify, "--embedding-dim", "8", *small]) == 0
-    recall = ["train", "recall", "--out", str(root / "recall"), "--d-model", "16"]
-    assert main([*recall, "--heads", "2", "--validation-size", "16", *small]) == 0
-    return {"classify": root / "classify", "recall": root / "recall"}
-
-
-def _edit(run: Path, change: Callable[[dict[str, Any]], None]) -> None:
-    for manifest in run.rglob("checkpoint.json"):
-        saved = json.loads(manifest.read_text(encoding="utf-8"))
-        change(saved["config"])
-        manifest.write_text(json.dumps(saved), encoding="utf-8")
+    return {task: tiny_run(root / task, task) for task in ("classify", "recall")}
 
 
 def _drop(section: str, key: str) -> Callable[[dict[str, Any]], None]:
@@ -220,7 +209,7 @@ def edited(
     for i, (task, change, argv, _) in enumerate(EDITS.values()):
         run = root / f"run{i}"
         shutil.copytree(runs[task], run)
-        _edit(run, change)
+        edit_config(run, change)
         command = ["explain", "--model", str(run)] if "--text" in argv else ["evaluate", str(run)]
         argvs.append([*command, *argv])
     return dict(zip(EDITS, run_cli_isolated(argvs), strict=True))
