@@ -22,8 +22,6 @@ import json
 import math
 import re
 import shutil
-import subprocess
-import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +36,7 @@ import qkv
 from qkv import examples, render
 from qkv.cli import main
 from qkv.embeddings import load as load_embeddings
+from tests.support.isolated import run_cli_isolated
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -148,27 +147,6 @@ def assert_one_line_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> 
         lines = [line for line in err.splitlines() if line.strip()]
         assert code == 2 and len(lines) == 1 and lines[0].startswith("qkv: error: "), err
     return code
-
-
-def run_isolated(runs: list[list[str]], cwd: Path, seconds: float = 60) -> list[tuple[int, str]]:
-    """Run ``qkv ARGV`` for each of ``runs`` in one child process with 2 GiB of address space
-    and a time limit; (exit status, stderr) of each. A traceback ends the child: it fails."""
-    code = (
-        "import contextlib, io, json, resource, sys\n"
-        "resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
-        "from qkv.cli import main\n"
-        "results = []\n"
-        f"for argv in {runs!r}:\n"
-        "    err = io.StringIO()\n"
-        "    with contextlib.redirect_stderr(err):\n"
-        "        results.append((main(argv), err.getvalue()))\n"
-        "print(json.dumps(results))\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=seconds, cwd=cwd
-    )
-    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    return [(int(c), str(e)) for c, e in json.loads(done.stdout.splitlines()[-1])]
 
 
 def assert_clean_exit(result: tuple[int, str]) -> None:
@@ -448,5 +426,5 @@ def test_devices_and_huge_files_end_within_seconds(tmp_path: Path) -> None:
         ["train", "classify", "--embeddings", str(bomb), "--out", "r2", "--steps", "1"],
         ["train", "classify", "--embeddings", str(header), "--out", "r3", "--steps", "1"],
     ]
-    for result in run_isolated(runs, tmp_path):
+    for result in run_cli_isolated(runs, cwd=tmp_path, seconds=60):
         assert_clean_exit(result)

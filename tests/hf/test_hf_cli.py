@@ -297,26 +297,30 @@ def test_a_model_id_in_the_local_cache_is_found_offline(
     assert "hf download tiny/other" in line and "--online" in line
 
 
-def test_only_online_lets_transformers_download(
+def test_only_online_downloads_and_never_code_nor_pickles(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import huggingface_hub
-    import transformers
 
-    asked: list[bool] = []
+    asked: list[dict[str, Any]] = []
 
-    def from_pretrained(name: str, **options: Any) -> Any:
-        asked.append(options["local_files_only"])
+    def snapshot_download(name: str, **options: Any) -> Any:
+        asked.append(options)
+        if options.get("local_files_only"):
+            raise huggingface_hub.errors.LocalEntryNotFoundError("not cached")
         raise OSError("no network here")
 
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
-    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     code, _, err = run(capsys, "--hf", "tiny/llama", "--text", "the cat")
     assert "not in the local Hugging Face cache" in one_error_line(code, err)
-    assert asked == []  # nothing was even tried
+    assert [a.get("local_files_only") for a in asked] == [True]  # no download was tried
+    asked.clear()
     code, _, err = run(capsys, "--hf", "tiny/llama", "--text", "the cat", "--online")
-    assert "no network here" in one_error_line(code, err)
-    assert asked == [False]
+    assert "the download failed (no network here)" in one_error_line(code, err)
+    assert [a.get("local_files_only") for a in asked] == [True, None]
+    patterns = asked[1]["allow_patterns"]
+    assert "*.safetensors" in patterns and "*.json" in patterns
+    assert not {"*.py", "*.bin", "*.pt", "*.pkl", "*"} & set(patterns)
 
 
 # -- one line and exit 2 for each mistake ------------------------------------------------------

@@ -157,10 +157,10 @@ def memory_needed(length: int, *, backward: bool) -> int:
 
 def _check_memory(settings: Any, sections: tuple[str, ...]) -> None:
     """One line naming the option whose length does not fit, before anything is allocated."""
-    from qkv._machine import memory_bytes
+    from qkv._memory import physical_memory
     from qkv._read import size_text
 
-    available = memory_bytes()
+    available = physical_memory()
     asked = []
     if "dense" in sections:
         asked += [("--lengths", n, memory_needed(n, backward=False)) for n in settings.lengths]

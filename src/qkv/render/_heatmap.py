@@ -4,6 +4,8 @@ One panel per head, in a grid (one row per attention call when the trace spans s
 layers), the query tokens down the side and the key tokens along the bottom, the numbers in
 the cells when the matrix is small. Weights by default; scores or scaled scores on request.
 matplotlib is imported only here, when a picture is asked for, and draws off screen (Agg).
+Text from the trace (tokens, layer names, the title) is drawn as written: matplotlib's math
+parsing is off for it, so a token with ``$`` is neither a formula nor an error.
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ def heatmap(
         ax.set_gid(f"qkv-panel-{panel.row + 1}-{panel.column + 1}")
         matrix = np.ma.masked_invalid(panel.matrix)
         image = ax.imshow(matrix, cmap=cmap, norm=norm, aspect="equal", interpolation="nearest")
-        ax.set_title(panel.title, fontsize=10)
+        ax.set_title(panel.title, fontsize=10, parse_math=False)
         _ticks(ax, panel)
         ax.set_xlabel("key")
         if panel.column == 0:
@@ -153,7 +155,10 @@ def heatmap(
         aspect=30 if flat else 20,
     )
     name = visible(str(trace.meta.get("name") or ""))
-    figure.suptitle(title if title is not None else TITLES[step] + (f": {name}" if name else ""))
+    figure.suptitle(
+        title if title is not None else TITLES[step] + (f": {name}" if name else ""),
+        parse_math=False,
+    )
     if path is not None:
         write_atomic(path, _encode(figure, suffix))
     return figure
@@ -299,6 +304,7 @@ def _ticks(ax: Any, panel: _Panel) -> None:
             [labels[i] for i in positions],
             fontsize=size,
             rotation=90 if rotate else 0,
+            parse_math=False,  # a token is shown as written: "$x$" is not a formula
         )
 
 

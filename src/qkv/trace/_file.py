@@ -26,6 +26,7 @@ from qkv.trace._check import (
     _optional_text,
     _required,
     _short,
+    _token_count,
     _token_list,
 )
 from qkv.trace._step import Step
@@ -102,16 +103,18 @@ def read_parts(data: Any) -> tuple[dict[str, Any], list[CallInfo]]:
     steps = _expect(_required(data, "steps", ""), list, "steps", "a list of steps")
     infos = _call_infos(data) if version == 2 else []
     read = [Step.from_dict(s, field=f"steps[{i}]") for i, s in enumerate(steps)]
-    if infos:
+    if version == 2:  # every step's call is one of 'calls' (none when 'calls' is empty)
         read = [
             replace(step, call=_call_of(raw, len(infos), f"steps[{i}]"))
             for i, (raw, step) in enumerate(zip(steps, read, strict=True))
         ]
     meta = _meta(data.get("meta"))
     _whole_head_counts(infos, read, meta)
+    tokens = _token_list(data.get("tokens"), "tokens")
+    _token_count(tokens, {s.value.shape[s.axes.index("key")] for s in read if "key" in s.axes})
     parts = {
         "steps": read,
-        "tokens": _token_list(data.get("tokens"), "tokens"),
+        "tokens": tokens,
         "query_tokens": _token_list(data.get("query_tokens"), "query_tokens"),
         "meta": meta,
         "layers": chosen("layers", (str, int)),
@@ -182,6 +185,8 @@ def _call_of(raw: Any, count: int, field: str) -> int | None:
     if call is None:
         return None
     _expect(call, int, f"{field}.call", "a whole number (a position in 'calls')")
+    if count == 0:
+        raise TraceFileError(f"names call {call}, but 'calls' is empty", field=f"{field}.call")
     if not 0 <= call < count:
         raise TraceFileError(
             f"expected a position in 'calls', 0 to {count - 1}, got {call}", field=f"{field}.call"

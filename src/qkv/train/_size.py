@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict
 
-from qkv._machine import memory_bytes
+from qkv._memory import physical_memory
 from qkv._read import size_text
 from qkv._train_settings import ClassifySettings, RecallSettings
 
@@ -104,7 +104,7 @@ def _check(
     sizes: tuple[str, ...],
     available: int | None,
 ) -> None:
-    limit = memory_bytes() if available is None else available
+    limit = physical_memory() if available is None else available
     if estimate <= limit:
         return
 
