@@ -102,9 +102,11 @@ def test_multi_head_attention_compiles_whole_forward_and_backward(case: str) -> 
 
 @pytest.mark.slow
 def test_transformer_block_compiles_with_inductor() -> None:
+    """docs/nn.md's example, with inductor (torch.compile's default backend)."""
     torch.manual_seed(0)
-    block = TransformerBlock(16, 4, num_kv_heads=2, positional="rope")
-    _same_as_eager(block, lambda m: m(X, is_causal=True), backend="inductor", tol=1e-5)
+    block = TransformerBlock(64, 8, num_kv_heads=2, positional="rope")
+    x = torch.randn(2, 10, 64)
+    _same_as_eager(block, lambda m: m(x, is_causal=True), backend="inductor", tol=1e-5)
 
 
 def test_masked_nan_stays_out_of_compiled_outputs_and_gradients() -> None:

@@ -149,13 +149,8 @@ def _forward_op(
     compute = _compute_dtype(query)
     rows = query.new_zeros((batch, heads, q_len), dtype=compute)
     if candidate is not None and sdpa_trusted(candidate, query, key, bias, grad=grad, value=value):
-        return (
-            candidate.to(compute, copy=True),
-            rows,
-            rows.clone(),
-            rows.clone(),
-            _flag(False, query),
-        )
+        kept = candidate.to(compute, memory_format=torch.contiguous_format, copy=True)
+        return kept, rows, rows.clone(), rows.clone(), _flag(False, query)
     if batch == 0 or heads == 0:  # nothing to compute: an empty result
         out = query.new_zeros((batch, heads, q_len, value.shape[3]), dtype=compute)
         return out, rows, rows.clone(), rows.clone(), _flag(True, query)
