@@ -184,9 +184,10 @@ def twin_models(
 ) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(torch's model, qkv's model): the same weights, the same layout."""
     torch.manual_seed(0)
-    theirs = torch.nn.Sequential(*(TorchBlock(embed_dim, heads) for _ in range(blocks)))
+    torch_blocks = [TorchBlock(embed_dim, heads) for _ in range(blocks)]
+    theirs = torch.nn.Sequential(*torch_blocks)
     ours = []
-    for block in theirs:
+    for block in torch_blocks:
         mine = TransformerBlock(embed_dim, heads)
         mine.attn = MultiHeadAttention.from_torch(block.attn)
         for name in ("attn_norm", "mlp_norm", "mlp"):
@@ -224,7 +225,7 @@ def measure_models(
     """The four models, forward and forward+backward, at one length."""
     theirs, ours = twin_models(blocks, embed_dim, heads, device, dtype)
     torch._dynamo.reset()
-    models = {
+    models: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         "torch": theirs,
         "torch compiled": torch.compile(theirs, fullgraph=True, backend=backend),
         "qkv": ours,
@@ -237,13 +238,15 @@ def measure_models(
         for model in (theirs, ours):
             model.train(mode == "fwd+bwd")
 
-        def run(model: torch.nn.Module, mode: str = mode) -> Callable[[], object]:
+        def run(
+            model: Callable[[torch.Tensor], torch.Tensor], mode: str = mode
+        ) -> Callable[[], object]:
             def once() -> object:
                 if mode == "forward":
                     with torch.no_grad():
                         return model(x)
                 inp = x.detach().requires_grad_()
-                model(inp).sum().backward()
+                model(inp).sum().backward()  # type: ignore[no-untyped-call]
                 return inp.grad
 
             return once

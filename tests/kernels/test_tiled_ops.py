@@ -32,7 +32,7 @@ def _inputs(dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
 
 def _options(case: str, q: torch.Tensor) -> dict[str, Any]:
     causal = torch.ones(L, L, dtype=torch.bool).tril()[None, None]
-    return {
+    cases: dict[str, dict[str, Any]] = {
         "causal": {"is_causal": True},
         "mask and bias": {
             "mask": causal,
@@ -41,7 +41,8 @@ def _options(case: str, q: torch.Tensor) -> dict[str, Any]:
         "sinks": {"sinks": torch.tensor([0.5, -1.0, 0.0, 2.0]).to(q), "is_causal": True},
         "dropout": {"seed": torch.tensor([123]), "dropout_p": 0.25},
         "candidate": {"candidate": torch.randn(B, L, H, D).to(q).transpose(1, 2)},
-    }[case]
+    }
+    return cases[case]
 
 
 CASES = ["causal", "mask and bias", "sinks", "dropout", "candidate"]
