@@ -222,8 +222,8 @@ def check_sinks(sinks: Any, query: Array, kind: str, heads: int) -> Array:
 
 
 def check_sink_values(xp: Any, sinks: Array) -> None:
-    """The sink logits are finite or −inf (a look at the values: a host synchronisation on
-    a GPU, made where the values are read anyway under ``torch.compile``)."""
+    """The sink logits are finite or −inf. Reads the values (a host synchronisation on a
+    GPU); under ``torch.compile`` the tiled kernel's operator checks them when it runs."""
     values = sinks.detach() if hasattr(sinks, "detach") else sinks
     if bool(xp.any(xp.isnan(values) | (xp.isinf(values) & (values > 0)))):
         raise ValueError(

@@ -310,7 +310,7 @@ def make_call(
     compiled = kind == "torch" and compiling()
     if sinks is not None:
         sinks = _checks.check_sinks(sinks, query, kind, heads)
-        if not compiled:  # compiled: the kernel checks them when it runs (_compiled.py)
+        if not compiled:  # compiled: the tiled kernel's operator checks them when it runs
             _checks.check_sink_values(xp, sinks)
     seed: int | Array | None = None
     if dropout_p > 0 and compiled:

@@ -165,20 +165,9 @@ def _forward_op(
 
 @_forward_op.register_fake
 def _forward_fake(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    sinks: torch.Tensor | None,
-    seed: torch.Tensor | None,
-    candidate: torch.Tensor | None,
-    is_causal: bool,
-    causal_alignment: str,
-    scale: float,
-    dropout_p: float,
-    grad: bool,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *_: Any
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The shapes and dtypes of the forward's results (contiguous, as the kernel gives)."""
     batch, heads, q_len = query.shape[:3]
     compute = _compute_dtype(query)
     out = query.new_empty((batch, heads, q_len, value.shape[3]), dtype=compute)
@@ -247,21 +236,13 @@ def _backward_fake(
     value: torch.Tensor,
     mask: torch.Tensor | None,
     bias: torch.Tensor | None,
-    seed: torch.Tensor | None,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    maxima: torch.Tensor,
-    ran: torch.Tensor,
-    is_causal: bool,
-    causal_alignment: str,
-    scale: float,
-    dropout_p: float,
-    wanted: list[bool],
+    *rest: Any,
 ) -> list[torch.Tensor]:
-    inputs = (query, key, value, bias)
-    shaped = [  # contiguous, as the kernel gives them
+    """The gradients' shapes (contiguous, as the kernel gives them); ``rest[-1]``: wanted."""
+    wanted = rest[-1]
+    shaped = [
         x.new_empty(x.shape) if w and x is not None else _nothing(query)
-        for x, w in zip(inputs, wanted, strict=False)
+        for x, w in zip((query, key, value, bias), wanted, strict=False)
     ]
     candidate = query.new_empty(grad_out.shape) if wanted[4] else _nothing(query)
     return [*shaped, candidate]
