@@ -15,7 +15,6 @@ run ``qkv`` in a child process with a time limit and 2 GiB of address space.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gzip
 import json
@@ -313,11 +312,25 @@ def test_fuzz_checkpoint_manifests(trained_run: Path, tmp_path: Path) -> None:
 def test_fuzz_attention_api(
     q_shape: list[int], k_shape: list[int], fill: float, causal: bool
 ) -> None:
+    """Shapes that fit give what the mathematics says; those that do not, and scores that
+    overflow, give one line that names the argument and a hint."""
     q = np.full(q_shape, fill)
-    k = np.full(k_shape, 1.0)
-    with contextlib.suppress(ValueError, TypeError), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # overflow: item 8, another change
-        qkv.scaled_dot_product_attention(q, k, k, is_causal=causal)
+    k = np.full(k_shape, 1.0)  # the keys and values: every score of a row is the same
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # inf − inf on an infinite query
+            out = qkv.scaled_dot_product_attention(q, k, k, is_causal=causal)
+    except (ValueError, TypeError) as error:
+        message = str(error)
+        assert "\n" not in message and "Hint:" in message, message
+        assert re.search(r"\b(query|key|value)\b", message), message
+        return
+    assert out.shape == (*q.shape[:-1], k.shape[-1])
+    # Equal scores share the weight equally among the keys a row may see, and the values
+    # are ones: every context vector is ones. A NaN or infinite query makes NaN scores (no
+    # error: the input is not finite); a finite one that overflows was refused above.
+    expected = 1.0 if math.isfinite(fill) else math.nan
+    np.testing.assert_array_equal(out, np.full(out.shape, expected))
 
 
 @pytest.mark.parametrize("query", ["²", "-0", "1" + "0" * 50, "", " ", "<script>", "\x1b[2J"])
