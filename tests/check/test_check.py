@@ -534,3 +534,21 @@ def test_no_claims_means_nothing_to_check() -> None:
     report = check("two-heads")
     assert report.ok and report.findings == ()
     assert "Nothing to check" in report.text()
+
+
+def test_a_wrong_output_row_with_w_o_wider_than_the_values_is_diagnosed() -> None:
+    """d_v = 1 and W_o of shape (1, 2): the weights solved from an output row are solved
+    through V·W_o (before: a LinAlgError from solving the output row against V alone; the
+    case hypothesis found in test_a_number_off_by_a_few_units_is_caught)."""
+    text = (
+        "tokens: [t0, t1]\n"
+        "embeddings: [[0.1257302210933933], [-0.1321048632913019]]\n"
+        "weights: {W_q: [[0.6404226504432821]], W_k: [[0.10490011715303971]], "
+        "W_v: [[-0.535669373161111]], W_o: [[0.36159505490948474, 1.3040000451301372]]}\n"
+        "options: {scale: true, causal: false}\n"
+        "claimed:\n  output:\n    0: [-0.03, 0.00]\n"
+    )
+    report = check(loads(text))
+    assert not report.ok
+    (finding,) = report.findings
+    assert (finding.step, finding.status, finding.marks) == ("output", "mismatch", ("wrong", "ok"))

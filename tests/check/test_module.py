@@ -369,7 +369,7 @@ def test_cli_module_runs_the_file_in_its_process(
     data = json.loads(capsys.readouterr().out)
     assert [f["diagnosis"] for f in data["findings"]] == ["causal-off-by-one"]
     assert main(["check", "--module", f"{path}:nothing"]) == 2
-    assert "no function named 'nothing'" in capsys.readouterr().err
+    assert "no class named 'nothing'" in capsys.readouterr().err
     assert main(["check", "--module", target, "--function", target]) == 2
     assert "not both" in capsys.readouterr().err
 

@@ -118,7 +118,8 @@ def other_weights(
 ) -> list[Slip]:
     """``other-weights`` slips for a context row: the printed or correct weights rounded to
     0–3 decimals, and (when there are at most d_v + 1 keys) the one weighting (summing to
-    1) whose sum of value vectors is the printed row, if it is ≥ 0."""
+    1) whose sum of value vectors (times W_o for an output row) is the printed row, if it
+    is ≥ 0."""
     if setup.heads != 1 or not setup.has_values:
         return []
     found: list[tuple[float, ...]] = []
@@ -131,6 +132,11 @@ def other_weights(
             if rounded not in found and not np.allclose(rounded, weights, rtol=0, atol=1e-12):
                 found.append(rounded)
     v = values["V"]  # (Lk, Dv)
+    if claimed.shape[-1] != v.shape[1]:  # an output row: Σ_j w_j·(v_j·W_o)
+        w_o = setup.W_o
+        if w_o is None or w_o.shape != (v.shape[1], claimed.shape[-1]):
+            return [Slip(OTHER_WEIGHTS, row=t, other=w) for w in found]
+        v = v @ w_o  # (Lk, E)
     a = np.vstack([v.T, np.ones((1, v.shape[0]))])  # Σ_j w_j·v_j = c and Σ_j w_j = 1
     if v.shape[0] <= v.shape[1] + 1 and np.linalg.matrix_rank(a) == v.shape[0]:
         solved, *_ = np.linalg.lstsq(a, np.concatenate([claimed, [1.0]]), rcond=None)

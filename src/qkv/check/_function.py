@@ -19,20 +19,23 @@ from qkv._format import markdown_escape, number, visible
 from qkv.check._findings import ReportData
 from qkv.check._function_codes import FUNCTION_DIAGNOSES
 from qkv.check._function_diagnose import diagnose
+from qkv.check._function_file import run_file
 from qkv.check._function_run import (
     ARRAYS,
     FunctionError,
-    run_file,
     run_probes,
+    student_text,
     takes_mask,
     validate,
 )
 from qkv.check._module_adapt import ModuleError, adapt_class
 from qkv.check._probes import KV_HEADS, Spec
+from qkv.check._sandbox import ISOLATIONS
 
 __all__ = [
     "ARRAYS",
     "FUNCTION_DIAGNOSES",
+    "ISOLATIONS",
     "FunctionError",
     "FunctionReport",
     "check_function",
@@ -49,6 +52,11 @@ class FunctionReport(ReportData):
     Attributes (besides :class:`~qkv.check._findings.ReportData`'s):
         kind: ``attention``, ``causal``, ``multi-head`` or ``gqa``.
         array: the array library it was probed with (``numpy`` or ``torch``).
+        about: a class (``--module``): how it was driven (its forward and projections).
+        file_error: a file's own errors (a top-level statement that failed), one line.
+        isolation: for a ``FILE.py:NAME``, the isolation its code ran in (``bubblewrap``,
+            ``namespaces`` or ``process``: docs/check-function.md); None for a function
+            checked in this process.
 
     Its JSON (:meth:`to_dict`, :meth:`to_json`) is that of ``qkv check``: a number that is not
     finite (NaN, inf, as a function may return) is ``null``.
@@ -58,11 +66,14 @@ class FunctionReport(ReportData):
     array: str = "numpy"
     about: str = ""
     file_error: str | None = None
+    isolation: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"ok": bool, "findings": [...]}``, and ``"file_error"`` (the file's own errors,
-        one line) when the file had some."""
+        """``{"ok": bool, "findings": [...]}``, with ``"isolation"`` for a file, and
+        ``"file_error"`` (the file's own errors, one line) when the file had some."""
         data = super().to_dict()
+        if self.isolation is not None:
+            data["isolation"] = self.isolation
         if self.file_error:
             data["file_error"] = self.file_error
         return data
@@ -97,6 +108,8 @@ class FunctionReport(ReportData):
 
         title = f"{self._command()}: {report.name} (kind {self.kind}, {self.array} probes)"
         lines = wrap(title)
+        if self.isolation is not None:
+            lines.append(f"isolation: {self.isolation}")
         for line in self._header(report):
             lines += wrap(line)
         if report.ok and not report.findings:
@@ -118,7 +131,8 @@ class FunctionReport(ReportData):
         """The report as GitHub-flavoured Markdown."""
         report = self.visible()
         out = [f"# {self._command()}: {markdown_escape(report.name)}", ""]
-        out += [f"Kind `{self.kind}`, probed with {self.array} arrays.", ""]
+        ran = f", run in isolation `{self.isolation}`" if self.isolation is not None else ""
+        out += [f"Kind `{self.kind}`, probed with {self.array} arrays{ran}.", ""]
         out += [line for h in self._header(report) for line in (markdown_escape(h), "")]
         if not report.findings:
             out += ["✓ No mistake found: every probe gives attention's numbers.", ""]
@@ -237,17 +251,24 @@ def check_function_file(
     timeout: float = 20.0,
     batched: bool = False,
     num_kv_heads: int | None = None,
+    isolation: str = "auto",
 ) -> FunctionReport:
-    """Check the function ``FILE.py:NAME`` in a separate process with a time limit.
+    """Check the function ``FILE.py:NAME`` in a sandboxed process with a time limit.
 
-    Loading the file runs its code, as ``python FILE.py`` would; a top-level statement that
-    fails (a notebook exported to a file) is noted in ``file_error`` and the rest runs.
-    ``batched`` and ``num_kv_heads`` as in :func:`check_function`.
+    Loading the file runs its code, as ``python FILE.py`` would: it runs in a fresh
+    temporary folder, with a scrubbed environment and resource limits, and nothing it starts
+    outlives the check; ``isolation`` (``auto``: the strongest available, or
+    ``bubblewrap``, ``namespaces``, ``process``) says how far it is kept from the rest of
+    the machine (docs/check-function.md). A top-level statement that fails (a notebook
+    exported to a file) is noted in ``file_error`` and the rest runs. ``batched`` and
+    ``num_kv_heads`` as in :func:`check_function`.
 
     Raises:
         FunctionError: the file or function cannot be loaded or called, the process crashed,
-            or it did not finish within ``timeout`` seconds.
-        ValueError: an unknown kind, mask meaning, array library or alignment.
+            hit a limit, or did not finish within ``timeout`` seconds.
+        ValueError: an unknown kind, mask meaning, array library, alignment or isolation, a
+            level of isolation not available here, a timeout that is not a positive finite
+            number, or a ``num_kv_heads`` that does not fit.
     """
     validate(kind, mask_means, array, alignment)
     spec_of(kind, with_mask=False, alignment=alignment, num_kv_heads=num_kv_heads)
@@ -259,6 +280,7 @@ def check_function_file(
         timeout=timeout,
         batched=batched,
         num_kv_heads=num_kv_heads,
+        isolation=isolation,
     )
     spec = spec_of(kind, with_mask=run.with_mask, alignment=alignment, num_kv_heads=num_kv_heads)
     findings = diagnose(spec, run.outcomes, lifted=lifted(run.array), batched=batched)
@@ -270,6 +292,7 @@ def check_function_file(
         kind=kind,
         array=run.array,
         file_error=run.file_error,
+        isolation=run.isolation,
     )
 
 
@@ -296,8 +319,8 @@ def check_module(
     """
     try:
         driven = adapt_class(cls, causal=causal)
-    except ModuleError as exc:
-        raise FunctionError(str(exc)) from None
+    except ModuleError as exc:  # the class's own names and texts: escaped
+        raise FunctionError(student_text(str(exc), 1000)) from None
     _, outcomes = run_probes(driven.fn, driven.kind, array="numpy")
     spec = Spec(driven.kind, causal=driven.causal)
     findings = diagnose(spec, outcomes)
@@ -313,14 +336,21 @@ def check_module(
 
 
 def check_module_file(
-    target: str, *, causal: bool | None = None, timeout: float = 20.0
+    target: str,
+    *,
+    causal: bool | None = None,
+    timeout: float = 20.0,
+    isolation: str = "auto",
 ) -> FunctionReport:
-    """Check the attention class ``FILE.py:ClassName`` in a separate process with a time
-    limit (as :func:`check_module`; loading the file runs its code).
+    """Check the attention class ``FILE.py:ClassName`` in a sandboxed process with a time
+    limit (as :func:`check_module`; loading the file runs its code, kept as in
+    :func:`check_function_file`).
 
     Raises:
         FunctionError: the file cannot be run, the class built or driven, the process
-            crashed, or it did not finish within ``timeout`` seconds.
+            crashed, hit a limit, or did not finish within ``timeout`` seconds.
+        ValueError: an unknown or unavailable isolation, or a timeout that is not a
+            positive finite number.
     """
     run = run_file(
         target,
@@ -329,6 +359,7 @@ def check_module_file(
         array="numpy",
         timeout=timeout,
         adapt=_CAUSAL[causal],
+        isolation=isolation,
     )
     findings = diagnose(Spec(run.kind, causal=run.causal), run.outcomes)
     return FunctionReport(
@@ -340,4 +371,5 @@ def check_module_file(
         array="torch float64",
         about=run.about,
         file_error=run.file_error,
+        isolation=run.isolation,
     )

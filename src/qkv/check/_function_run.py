@@ -1,42 +1,33 @@
-"""Calling an attention function on the probes of ``qkv check --function``.
+"""Calling an attention function on the probes of ``qkv check --function``, in this process.
 
-In this process (:func:`run_probes`, for a function object) or, for a student's
-``FILE.py:NAME``, in a separate Python process with a time limit (:func:`run_file`): loading
-a file runs its code, so an infinite loop or a crash becomes a one-line
-:class:`FunctionError`, not a hang. What comes back is one :class:`Outcome` per probe; the
-diagnosis is :mod:`~qkv.check._function_diagnose`'s.
+:func:`run_probes` calls a function object on every probe; a student's ``FILE.py:NAME`` runs
+it in a sandboxed process (:mod:`~qkv.check._function_file`). What comes back is one
+:class:`Outcome` per probe; the diagnosis is :mod:`~qkv.check._function_diagnose`'s. The
+student's exception texts reach messages through :func:`student_text` (escaped).
 """
 
 from __future__ import annotations
 
 import inspect
-import json
-import os
-import subprocess
-import sys
-import tempfile
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
+from qkv._format import visible
 from qkv.check._probes import KINDS, MASK_MEANINGS, Probe, probes
-from qkv.check._student_file import StudentFileError, run_student_file
 
 __all__ = [
     "ALIGNMENTS",
     "ARRAYS",
-    "FileRun",
     "FunctionError",
     "Outcome",
-    "load_function",
-    "run_file",
+    "raised",
     "run_probes",
-    "split_target",
+    "student_text",
     "takes_mask",
     "validate",
 ]
@@ -58,6 +49,20 @@ class Outcome:
     context: Array | None = None
     weights: Array | None = None
     error: str | None = None
+
+
+def student_text(text: str, limit: int = 200) -> str:
+    """Text the student's code chose (an exception's message or class name, its output) as
+    one short line that cannot act on a terminal: whitespace runs become one space, control
+    and bidirectional characters are written out (``\\x1b``), at most ``limit`` characters.
+
+    Example:
+        >>> print(student_text("bad\\n\\x1b]0;PWNED\\x07 value"))
+        bad \\x1b]0;PWNED\\x07 value
+    """
+    one_line = " ".join(text.split())
+    escaped = visible(one_line)
+    return escaped if len(escaped) <= limit else escaped[: limit - 1] + "…"
 
 
 def validate(kind: str, mask_means: str, array: str, alignment: str) -> None:
@@ -129,14 +134,24 @@ def _call(fn: Callable[..., Any], args: list[Any], *, lead: bool = False) -> Out
             warnings.simplefilter("ignore")
             result = fn(*args)
     except Exception as exc:  # the student's code may raise anything: it is a finding
-        text = " ".join(str(exc).split())[:200]
-        return Outcome(error=f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
+        return Outcome(error=raised(exc))
     try:
         if isinstance(result, (tuple, list)) and len(result) == 2:
             return Outcome(_as_array(result[0], lead), _as_array(result[1], lead))
         return Outcome(_as_array(result, lead))
     except (TypeError, ValueError):
-        return Outcome(error=f"returned {type(result).__name__}, not an array of numbers")
+        kind = student_text(type(result).__name__, 60)
+        return Outcome(error=f"returned {kind}, not an array of numbers")
+
+
+def raised(exc: BaseException) -> str:
+    """``"TypeError: the message"`` for the student's exception, escaped and shortened."""
+    try:
+        text = str(exc)
+    except Exception:  # a __str__ of the student's own that raises
+        text = ""
+    name = student_text(type(exc).__name__, 60)
+    return f"{name}: {student_text(text)}" if text.strip() else name
 
 
 def run_probes(
@@ -216,185 +231,3 @@ _SIGNATURES = {
     "gqa": "NAME(X, W_q, W_k, W_v, W_o, num_heads, num_kv_heads) returning the output or "
     "(output, weights)",
 }
-
-
-# ---------------------------------------------------------------- a student's file
-
-
-def split_target(target: str) -> tuple[Path, str]:
-    """``FILE.py:NAME`` as (path, name).
-
-    Raises:
-        FunctionError: no ``:NAME``, or no such file.
-    """
-    path, sep, name = target.rpartition(":")
-    if not sep or not path or not name.isidentifier():
-        raise FunctionError(
-            f"--function must be FILE.py:NAME, got {target!r}. Hint: "
-            "'qkv check --function student.py:attention --kind attention'"
-        )
-    if not Path(path).is_file():
-        raise FunctionError(f"--function: no such file {path!r}. Hint: check the path")
-    return Path(path), name
-
-
-def load_function(path: Path, name: str) -> tuple[Callable[..., Any], str | None]:
-    """Run ``path`` (this runs its code) and return its function (or class) ``name``, with the
-    file's own errors as one line, or None (:func:`~qkv.check._student_file.run_student_file`:
-    a top-level statement that fails is noted and the next one runs, as in a notebook
-    exported to a file).
-
-    Raises:
-        FunctionError: the file cannot be run, or has no callable ``name``.
-    """
-    try:
-        module, file_error = run_student_file(path)
-    except StudentFileError as exc:
-        raise FunctionError(str(exc)) from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        ran = f"; running it: {file_error}" if file_error else ""
-        raise FunctionError(
-            f"{path}: no function named {name!r}{ran}. Hint: give FILE.py:NAME with the name of "
-            f"the function after the colon, and run 'python {path}' to see the file's errors"
-        )
-    return fn, file_error
-
-
-@dataclass(frozen=True)
-class FileRun:
-    """What the separate process found: where, what it probed, and the outcomes.
-
-    Attributes:
-        path: the file. name: the function or class in it.
-        array: the array library of the probes (as :func:`run_probes` says it).
-        with_mask: whether the function takes a mask.
-        outcomes: one per probe.
-        kind: the kind probed (a class is probed as ``multi-head`` or ``gqa``).
-        causal: a class: whether it is checked as causal attention.
-        about: a class: how it was driven (its forward and projections).
-        file_error: the file's own errors, as one line, or None.
-    """
-
-    path: Path
-    name: str
-    array: str
-    with_mask: bool
-    outcomes: list[Outcome]
-    kind: str
-    causal: bool = False
-    about: str = ""
-    file_error: str | None = None
-
-
-def _child_main() -> None:
-    """The separate process: load the file, call the function (or drive the class, when
-    ``adapt`` names one) on the probes, write JSON."""
-    path, name, kind, mask_means, array, batched, kv_heads, adapt, out = sys.argv[1:10]
-    try:
-        fn, file_error = load_function(Path(path), name)
-        extra: dict[str, Any] = {"kind": kind, "file_error": file_error}
-        if adapt:
-            from qkv.check._module_adapt import ModuleError, adapt_class
-
-            causal = {"causal": True, "not-causal": False}.get(adapt.removeprefix("module-"))
-            try:
-                driven = adapt_class(fn, causal=causal)
-            except ModuleError as exc:
-                raise FunctionError(f"{path}:{name}: {exc}") from None
-            fn, kind = driven.fn, driven.kind
-            extra.update(kind=kind, causal=driven.causal, about=driven.about)
-        used, outcomes = run_probes(
-            fn,
-            kind,
-            mask_means=mask_means,
-            array=array,
-            batched=batched == "batched",
-            num_kv_heads=int(kv_heads) or None,
-        )
-        data: dict[str, Any] = {
-            "array": used,
-            "with_mask": takes_mask(fn, kind),
-            **extra,
-            "outcomes": [
-                {
-                    "context": None if o.context is None else o.context.tolist(),
-                    "weights": None if o.weights is None else o.weights.tolist(),
-                    "error": o.error,
-                }
-                for o in outcomes
-            ],
-        }
-    except FunctionError as exc:
-        data = {"error": str(exc)}
-    Path(out).write_text(json.dumps(data), encoding="utf-8")
-    os._exit(0)  # the student's threads or atexit hooks must not keep the process alive
-
-
-def run_file(
-    target: str,
-    kind: str,
-    *,
-    mask_means: str,
-    array: str,
-    timeout: float,
-    batched: bool = False,
-    num_kv_heads: int | None = None,
-    adapt: str = "",
-) -> FileRun:
-    """Run ``FILE.py:NAME`` on the probes of ``kind`` in a separate process (the arguments of
-    :func:`run_probes`). ``adapt`` = ``"module"`` (or ``"module-causal"``,
-    ``"module-not-causal"``): NAME is an attention class, driven by
-    :func:`~qkv.check._module_adapt.adapt_class` in that process.
-
-    Raises:
-        FunctionError: the file or function cannot be loaded or called, the process crashed,
-            or it did not finish within ``timeout`` seconds.
-    """
-    path, name = split_target(target)
-    with tempfile.TemporaryDirectory(prefix="qkv-function-") as tmp:
-        out = Path(tmp) / "outcomes.json"
-        command = [
-            sys.executable,
-            "-c",
-            "from qkv.check._function_run import _child_main; _child_main()",
-            str(path), name, kind, mask_means, array,
-            "batched" if batched else "single", str(num_kv_heads or 0), adapt, str(out),
-        ]  # fmt: skip
-        try:
-            done = subprocess.run(
-                command, capture_output=True, text=True, timeout=timeout, check=False
-            )
-        except subprocess.TimeoutExpired:
-            raise FunctionError(
-                f"{target}: the function did not finish within {timeout:g} s (an infinite "
-                "loop?). Hint: run it by hand on small inputs, or give a longer time limit"
-            ) from None
-        if not out.is_file():
-            last = (done.stderr.strip().splitlines() or ["no message"])[-1][:200]
-            raise FunctionError(
-                f"{target}: the process running it ended with status {done.returncode} "
-                f"before returning ({last}). Hint: run 'python {path}' to see the crash"
-            )
-        data = json.loads(out.read_text(encoding="utf-8"))
-    if "error" in data:
-        raise FunctionError(str(data["error"]))
-    outcomes = [
-        Outcome(
-            None if o["context"] is None else np.asarray(o["context"], dtype=np.float64),
-            None if o["weights"] is None else np.asarray(o["weights"], dtype=np.float64),
-            o["error"],
-        )
-        for o in data["outcomes"]
-    ]
-    return FileRun(
-        path=path,
-        name=name,
-        array=data["array"],
-        with_mask=bool(data["with_mask"]),
-        outcomes=outcomes,
-        kind=str(data["kind"]),
-        causal=bool(data.get("causal", False)),
-        about=str(data.get("about", "")),
-        file_error=data.get("file_error"),
-    )

@@ -47,6 +47,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from qkv.check._function_run import raised, student_text
+
 __all__ = ["ModuleError", "ModuleFunction", "adapt_class"]
 
 Array = NDArray[np.float64]
@@ -392,13 +394,12 @@ def _build(cls: type, width: int, heads: int, kv_heads: int | None, causal: bool
     try:
         module = cls(**kwargs)
     except Exception as exc:  # the student's constructor may raise anything
-        text = " ".join(str(exc).split())[:200]
         shown = ", ".join(
             f"{k}=config" if isinstance(v, types.SimpleNamespace) else f"{k}={v!r}"
             for k, v in kwargs.items()
         )
         raise ModuleError(
-            f"building {cls.__name__}({shown}) raised {type(exc).__name__}: {text}"
+            f"building {student_text(cls.__name__)}({shown}) raised {raised(exc)}"
         ) from None
     return module.double().eval()
 

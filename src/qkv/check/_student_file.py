@@ -10,9 +10,10 @@ function be checked anyway:
   statement runs: the functions defined after it still exist;
 - IPython lines (starting with ``!`` or ``%``) are skipped, and noted.
 
-The file's own errors come back as that one line; the check of the function goes on.
-Running a file runs its code: callers run this in a separate process
-(:mod:`~qkv.check._function_run`).
+The file's own errors come back as that one line, escaped
+(:func:`~qkv.check._function_run.student_text`); the check of the function goes on.
+Running a file runs its code: callers run this in the sandbox
+(:mod:`~qkv.check._function_file`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import sys
 import types
 from pathlib import Path
 
+from qkv.check._function_run import raised, student_text
+
 __all__ = ["MAX_SOURCE_BYTES", "StudentFileError", "run_student_file"]
 
 MAX_SOURCE_BYTES = 5_000_000
@@ -32,11 +35,6 @@ _MODULE_NAME = "_qkv_student_module"
 
 class StudentFileError(ValueError):
     """The file cannot be run at all (not readable, too large, not Python): one line."""
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())[:200]
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _without_ipython(source: str) -> tuple[str, int]:
@@ -66,9 +64,10 @@ def _parse(path: Path, source: str) -> tuple[ast.Module, str | None]:
             else:
                 lines = "line" if count == 1 else "lines"
                 return tree, f"{count} IPython {lines} (! or %) skipped"
+        shown = student_text(str(path))
         raise StudentFileError(
-            f"{path}, line {first.lineno}: SyntaxError: {first.msg}. Hint: run 'python {path}' "
-            "to see the line"
+            f"{shown}, line {first.lineno}: SyntaxError: {student_text(str(first.msg))}. Hint: "
+            f"run 'python {shown}' to see the line"
         ) from None
 
 
@@ -93,13 +92,13 @@ def run_student_file(path: Path) -> tuple[types.ModuleType, str | None]:
         size = path.stat().st_size
         if size > MAX_SOURCE_BYTES:
             raise StudentFileError(
-                f"{path}: {size} bytes, more than {MAX_SOURCE_BYTES} for a Python file. Hint: "
-                "give the file with the function"
+                f"{student_text(str(path))}: {size} bytes, more than {MAX_SOURCE_BYTES} for a "
+                "Python file. Hint: give the file with the function"
             )
         source = path.read_text(encoding="utf-8", errors="replace")
     except OSError as exc:
         raise StudentFileError(
-            f"{path}: cannot be read ({exc.strerror}). Hint: check the path"
+            f"{student_text(str(path))}: cannot be read ({exc.strerror}). Hint: check the path"
         ) from None
     tree, skipped = _parse(path, source)
     sys.path.insert(0, str(path.resolve().parent))
@@ -119,8 +118,8 @@ def run_student_file(path: Path) -> tuple[types.ModuleType, str | None]:
         )  # fmt: skip
         try:
             exec(code, module.__dict__)
-        except (Exception, SystemExit) as exc:  # the file's own error: noted, the next runs
-            errors.append(f"line {statement.lineno}: {_one_line(exc)}")
+        except BaseException as exc:  # the file's own error (SystemExit too): the next runs
+            errors.append(f"line {statement.lineno}: {raised(exc)}")
     notes = errors[:1]
     if len(errors) > 1:
         notes.append(f"{len(errors) - 1} more top-level statement(s) failed")

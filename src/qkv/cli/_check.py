@@ -12,6 +12,7 @@ it is right, 1 when it makes a mistake, 2 when it cannot be loaded or called
 from __future__ import annotations
 
 import argparse
+import math
 
 from qkv.cli._common import Command, CommandError, add_output_options, emit
 
@@ -20,6 +21,20 @@ _KINDS = ("attention", "causal", "multi-head", "gqa")  # qkv.check._probes.KINDS
 _MASK_MEANINGS = ("allow", "ignore", "additive")
 _ARRAYS = ("auto", "numpy", "torch")
 _ALIGNMENTS = ("top-left", "bottom-right")
+_ISOLATIONS = ("auto", "bubblewrap", "namespaces", "process")  # qkv.check.ISOLATIONS
+
+
+def _seconds(text: str) -> float:
+    """An argparse ``type``: a positive finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"expected a positive finite number of seconds, got {text!r}"
+        )
+    return value
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
@@ -103,10 +118,18 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--timeout",
-        type=float,
+        type=_seconds,
         default=20.0,
         metavar="SECONDS",
         help="stop the function's process after SECONDS (default: 20)",
+    )
+    group.add_argument(
+        "--isolation",
+        choices=_ISOLATIONS,
+        default="auto",
+        help="how the file's code is kept from this machine: bubblewrap (read-only system, "
+        "no network), namespaces (no network, no signal out), process (a process tree "
+        "qkv ends); auto takes the strongest available (default: auto)",
     )
     add_output_options(parser, "write the report to FILE instead of the terminal (atomically)")
 
@@ -121,7 +144,9 @@ def _run_module(args: argparse.Namespace) -> int:
     from qkv.check import check_module_file
 
     causal = None if args.kind is None else args.kind == "causal"
-    report = check_module_file(args.module, causal=causal, timeout=args.timeout)
+    report = check_module_file(
+        args.module, causal=causal, timeout=args.timeout, isolation=args.isolation
+    )
     emit(args, lambda width: report.render(args.format, width=width), report.print)
     return 0 if report.ok else 1
 
@@ -133,8 +158,6 @@ def _run_function(args: argparse.Namespace) -> int:
             "give one of --function FILE.py:NAME, --module FILE.py:CLASS or an example, not "
             "both. Hint: 'qkv check --function student.py:attention --kind attention'"
         )
-    if not args.timeout > 0:
-        raise CommandError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.module is not None:
         return _run_module(args)
     from qkv.check import check_function_file
@@ -148,6 +171,7 @@ def _run_function(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         batched=args.batched,
         num_kv_heads=args.num_kv_heads,
+        isolation=args.isolation,
     )
     emit(args, lambda width: report.render(args.format, width=width), report.print)
     return 0 if report.ok else 1
@@ -195,8 +219,9 @@ COMMAND = Command(
         "See docs/check.md.\n\n"
         "With --function FILE.py:NAME it checks an attention function instead and names\n"
         "its slip (docs/check-function.md); --module FILE.py:CLASS an attention class.\n"
-        "WARNING: this imports FILE.py, which runs its code; it runs in a separate\n"
-        "process with a time limit (--timeout)."
+        "WARNING: this imports FILE.py, which runs its code; it runs sandboxed\n"
+        "(--isolation: bubblewrap where installed), in a fresh temporary folder, with a\n"
+        "time limit (--timeout) and resource limits."
     ),
     examples=(
         ("qkv check --example i-love-statistics", "seed 000: which of its numbers are wrong"),
