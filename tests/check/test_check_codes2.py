@@ -218,7 +218,23 @@ def test_per_head_weights_are_checked_per_head() -> None:
     )
     report = check(loads(text))
     assert report.ok and report.findings[0].head == 1
-    assert report.to_dict()["findings"][0]["head"] == 2
+    assert report.to_dict()["findings"][0]["head"] == 1
+
+
+def test_heads_are_counted_from_0_in_every_format() -> None:
+    """The second ``per_head`` mapping is head 1 in text, Markdown and JSON, as in ``qkv
+    explain`` and traces (issue 25 §2; before: head 2 in all three)."""
+    wrong = softmax(Q[0, 2:] @ K[:, 2:].T)  # head 1 not scaled
+    text = example(
+        f"  per_head:\n    - {{}}\n    - weights: {{a: {row(wrong)}}}\n", extra="heads: 2\n"
+    )
+    report = check(loads(text))
+    (finding,) = report.findings
+    assert finding.head == 1 and finding.diagnosis == "unscaled"
+    assert report.to_dict()["findings"][0]["head"] == 1
+    assert "weights · Attention weights, head 1" in report.text()
+    assert "head 2" not in report.text() + report.markdown()
+    assert "Attention weights, head 1" in report.markdown()
 
 
 @pytest.mark.parametrize("stable", [False, True])

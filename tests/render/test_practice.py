@@ -59,8 +59,9 @@ def test_the_steps_of_one_head_and_of_two(love: Data, heads: Data) -> None:
         "weights/1", "context", "output",
     ]  # fmt: skip
     assert step(two, "context")["title"] == "Concatenated context vectors"
-    assert step(two, "weights/1")["title"] == "Attention weights, head 2"
-    assert step(two, "context")["cols"][:3] == ["h1.d1", "h1.d2", "h2.d1"]
+    # heads counted from 0 as in qkv explain (issue 25 §2; before: "head 2", "h1.d1")
+    assert step(two, "weights/1")["title"] == "Attention weights, head 1"
+    assert step(two, "context")["cols"][:3] == ["h0.d1", "h0.d2", "h1.d1"]
 
 
 @pytest.mark.parametrize(("name", "causal"), [("i-love-statistics", True), ("two-heads", False)])

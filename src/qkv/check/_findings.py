@@ -103,7 +103,7 @@ class Finding:
 
     def to_dict(self) -> dict[str, Any]:
         """The finding in the JSON schema: step, token, claimed, expected, status, diagnosis,
-        message (and ``head``, 1 for the first head, for a per-head row). ``expected`` is
+        message (and ``head``, counted from 0, for a per-head row). ``expected`` is
         rounded to 6 decimals; a masked score (−inf) is ``null``."""
         found: dict[str, Any] = {
             "step": self.step,
@@ -117,7 +117,7 @@ class Finding:
             "message": self.message,
         }
         if self.head is not None:
-            found["head"] = self.head + 1
+            found["head"] = self.head
         return found
 
 

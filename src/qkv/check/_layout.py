@@ -15,8 +15,9 @@ _MAX_LABEL = 12
 
 
 def heading(step: str, head: int | None = None) -> str:
-    """``Q · Query vectors``; ``weights · Attention weights, head 2`` for a head's rows."""
-    where = "" if head is None else f", head {head + 1}"
+    """``Q · Query vectors``; ``weights · Attention weights, head 1`` for the rows of head 1,
+    the second (heads are counted from 0, as everywhere in qkv: docs/explain.md)."""
+    where = "" if head is None else f", head {head}"
     return f"{step} · {words_of(step).title}{where}"
 
 

@@ -137,7 +137,7 @@ class RowWords:
         key = step in ("K", "V")
         who, s = self.label(t, key=key), self.sub(t, key=key)
         row = vector(row_of(self.correct, slot, t), decimals)
-        in_head = "" if head is None else f" in head {head + 1}"
+        in_head = "" if head is None else f" in head {head}"
         if step in ("Q", "K", "V"):
             letter = step.lower()
             noun = _words_of(step).noun(1)
@@ -190,7 +190,7 @@ class RowWords:
         if step == "context":
             if head is not None:
                 return (
-                    f"The context vector of {who} in head {head + 1} is the weighted sum of "
+                    f"The context vector of {who} in head {head} is the weighted sum of "
                     f"that head's value vectors: {row}."
                 )
             return f"The context vector of {who} is {self._weighted_sum(t, decimals)}."

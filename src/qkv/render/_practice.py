@@ -161,7 +161,7 @@ def practice_data(example: Example, *, precision: int = 4) -> dict[str, Any]:
         formula, ask = _ASK[step]
         title = WORDS["concat" if step == "context" and heads > 1 else step].title
         if view.head is not None:
-            title += f", head {view.head + 1}"
+            title += f", head {view.head}"
         if step == "scaled":
             ask = "the scaled scores: each row of scores " + _scaled_words(example, view.setup)
         rows: list[dict[str, Any]] = [
@@ -255,11 +255,12 @@ def _inputs(example: Example) -> list[dict[str, Any]]:
 
 
 def _dims(width: int, heads: int) -> list[str]:
-    """Column labels of a row of all heads side by side: d1, d2 or h1.d1, h1.d2, h2.d1."""
+    """Column labels of a row of all heads side by side: d1, d2 or h0.d1, h0.d2, h1.d1 (heads
+    from 0, components from 1, as qkv explain labels them)."""
     if heads == 1:
         return [f"d{i + 1}" for i in range(width)]
     per = width // heads
-    return [f"h{i // per + 1}.d{i % per + 1}" for i in range(width)]
+    return [f"h{i // per}.d{i % per + 1}" for i in range(width)]
 
 
 def _facts(example: Example, setup: Setup) -> list[str]:
