@@ -262,6 +262,10 @@ def test_each_real_bug_has_its_code_and_the_correct_numbers(
     assert finding.expected  # the correct numbers of the row
     if code != "kv-heads-not-repeated":
         assert finding.printed and len(finding.expected) == len(finding.printed)
+    # every format carries the verdict (issue 26 §3: JSON for every function of the set)
+    data = json.loads(report.to_json())
+    assert [f["diagnosis"] for f in data["findings"] if f["status"] == "mismatch"] == [code]
+    assert code in report.text() and code in report.markdown()
 
 
 def test_a_function_for_four_axes_knows_it_was_lifted() -> None:
