@@ -372,6 +372,10 @@ def test_cli_module_runs_the_file_in_its_process(
     assert "no class named 'nothing'" in capsys.readouterr().err
     assert main(["check", "--module", target, "--function", target]) == 2
     assert "not both" in capsys.readouterr().err
+    # options of --function that a class does not take are one line, not silently dropped
+    assert main(["check", "--module", target, "--num-kv-heads", "2", "--batched"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--num-kv-heads, --batched do not go with --module" in err
 
 
 class FusedForwardRaises(nn.Module):

@@ -141,6 +141,24 @@ def _run_module(args: argparse.Namespace) -> int:
             "attention. Hint: --kind causal (it must be causal) or --kind multi-head (it must "
             "not be), or leave --kind out (as the class says)"
         )
+    unused = [
+        option
+        for option, given in (
+            ("--num-kv-heads", args.num_kv_heads is not None),
+            ("--mask-means", args.mask_means != "allow"),
+            ("--array", args.array != "auto"),
+            ("--causal-alignment", args.causal_alignment != "top-left"),
+            ("--batched", args.batched),
+        )
+        if given
+    ]
+    if unused:
+        raise CommandError(
+            f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not go with "
+            "--module: a class is built with its own key/value heads and driven in float64 "
+            "torch tensors, self-attention, one batch. "
+            "Hint: leave it out, or check a function with --function"
+        )
     from qkv.check import check_module_file
 
     causal = None if args.kind is None else args.kind == "causal"
