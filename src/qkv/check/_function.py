@@ -1,8 +1,10 @@
 """``qkv check --function``: which slip an attention function makes, as a report.
 
 :func:`check_function` probes a function object in this process; :func:`check_function_file`
-loads a student's ``FILE.py:NAME`` in a separate process with a time limit (loading a file
-runs its code). The calling lives in :mod:`~qkv.check._function_run`, the diagnosis in
+runs a student's ``FILE.py:NAME`` sandboxed, with a time limit (loading a file runs its
+code: :mod:`~qkv.check._function_file`), and :func:`check_module` and
+:func:`check_module_file` do the same for an attention class. The calling lives in
+:mod:`~qkv.check._function_run`, the diagnosis in
 :mod:`~qkv.check._function_diagnose`; this module turns their findings into a
 :class:`FunctionReport`, in the JSON schema of ``qkv check``.
 """
