@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from qkv._array import Array, device
+from qkv._array import Array, device, like_layout
 from qkv.attention import _backends
 from qkv.attention._backends import BACKENDS, BackendName
 from qkv.attention._long_trace import record_partial
@@ -397,7 +397,8 @@ def scaled_dot_product_attention(
             :func:`qkv.explain_dispatch`.
 
     Returns:
-        context (..., H, Lq, Dv); with ``return_weights``, ``(context, weights)`` with
+        context (..., H, Lq, Dv), a tensor laid out in memory as the query is (as torch's
+        SDPA does, on every backend); with ``return_weights``, ``(context, weights)`` with
         weights (..., H, Lq, Lk).
 
     Raises:
@@ -433,6 +434,7 @@ def scaled_dot_product_attention(
         trace=trace,
     )
     context, weights = run_call(call, backend)
+    context = like_layout(context, query)  # the query's memory layout, as torch's SDPA
     return (context, weights) if return_weights else context
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import array_api_compat.torch as torch_xp
 import torch
 
+from qkv._array import DtypeMismatchError, check_scale, like_layout
 from qkv.kernels._blocks import plan_blocks
 from qkv.kernels._threads import call_threads
 from qkv.kernels._tiled import Problem, tiled_function
@@ -95,6 +96,9 @@ def tiled_attention(
         True
     """
     _check(query, key, value)
+    check_scale(scale)
+    if isinstance(mask, Mask):
+        mask.check_batch(query.shape[0])
     return run_tiled(
         query,
         key,
@@ -149,12 +153,9 @@ def run_tiled(
         batch, heads, q_len, _ = query.shape
         kv_heads, kv_len = key.shape[1], key.shape[2]
         dtype = query.dtype
-        if batch == 0 or heads == 0:  # nothing to compute: an empty result, as torch gives
+        if 0 in (batch, heads, q_len, kv_len):  # nothing to compute: zeros, lse −inf
             return _empty(query, key, value, bias, return_lse)
-        compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-        q, k, v = (x.to(compute).contiguous() for x in (query, key, value))
-        if bias is not None and bias.dtype != compute:
-            bias = bias.to(compute)
+        # The plan first: it refuses a call too long for it before anything is copied.
         plan = plan_blocks(
             rule,
             batch=batch,
@@ -167,6 +168,10 @@ def run_tiled(
             skip=skip_blocks,
             dense_mask=dense_mask is not None,
         )
+        compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        q, k, v = (x.to(compute).contiguous() for x in (query, key, value))
+        if bias is not None and bias.dtype != compute:
+            bias = bias.to(compute)
         keep = None
         if dropout_p > 0 and seed is not None:
             keep = dropout_keep(dropout_p, seed)
@@ -195,7 +200,7 @@ def run_tiled(
         out, lse = tiled_function(q, k, v, bias, problem, captured)
         if sinks is not None:
             out, lse = with_sinks(out, lse, sinks.to(compute))
-        out = out.to(dtype)
+        out = like_layout(out.to(dtype), query)  # the query's memory layout, as torch's
         return (out, lse) if return_lse else out
 
 
@@ -401,8 +406,16 @@ def _check(query: Any, key: Any, value: Any) -> None:
                 f"{x.dtype} of shape {tuple(x.shape)}. Hint: qkv.scaled_dot_product_attention "
                 "takes other layouts and checks them."
             )
-    if len({x.dtype for _, x in named}) > 1 or len({x.device for _, x in named}) > 1:
-        raise TypeError("query, key and value must share one dtype and one device")
+    if len({x.dtype for _, x in named}) > 1:
+        raise DtypeMismatchError(
+            f"query, key and value must share one dtype, got {query.dtype}, {key.dtype} and "
+            f"{value.dtype}. Hint: convert them with .to(query.dtype)."
+        )
+    if len({x.device for _, x in named}) > 1:
+        raise ValueError(
+            f"query, key and value must be on one device, got {query.device}, {key.device} "
+            f"and {value.device}. Hint: move them with .to(query.device)."
+        )
     (b, h, _, d), (bk, hkv, lk, dk), (bv, hv, lv, _) = query.shape, key.shape, value.shape
     if d != dk or (bk, hkv, lk) != (bv, hv, lv):
         raise ValueError(
