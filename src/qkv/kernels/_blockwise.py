@@ -315,6 +315,21 @@ def _partial_mask(
     return allowed is _NOTHING, allowed
 
 
+@dataclass(frozen=True)
+class RowShift:
+    """The fixed shift of some rows of a query block's scores: ``rows`` (n,) indices into its
+    rows flattened, (Bg·Hkv·G·bq), and ``amounts`` (n, 1) each one's shift."""
+
+    rows: torch.Tensor
+    amounts: torch.Tensor
+
+    def full(self, like: torch.Tensor) -> torch.Tensor:
+        """The shift of every row, 0 where none is given, shaped as ``like`` (…, 1)."""
+        every = torch.zeros(like.numel(), 1, dtype=like.dtype, device=like.device)
+        every[self.rows] = self.amounts
+        return every.view(like.shape)
+
+
 @dataclass
 class BlockScores:
     """The scores of one block and what turns them into weights.
@@ -347,9 +362,10 @@ class BlockScores:
         target = self.values if values is None else values
         return self._exp_(target.sub_(shift), EXP_FLOOR)
 
-    def exp_fixed_(self, shift: torch.Tensor, *, floor: bool) -> torch.Tensor:
+    def exp_fixed_(self, shift: RowShift | None, *, floor: bool) -> torch.Tensor:
         """exp(values − shift) (exp2 in log2 units), in place: the weights with each row's
-        shift fixed (not its running maximum), (rows, 1) finite.
+        shift fixed (not its running maximum). ``shift`` names the rows shifted and by how
+        much (finite), every other row's shift is 0; None shifts none (no pass at all).
 
         Masked scores are −inf and become exact zeros. With ``floor`` (a bias or a score
         modifier such as ALiBi may put finite scores far below the shift), scores are first
@@ -357,7 +373,10 @@ class BlockScores:
         slower.
         """
         lowest = _NORMAL_FLOOR2 if self.base2 else _NORMAL_FLOOR
-        return self._exp_(self.values.sub_(shift), lowest if floor else None)
+        if shift is not None:
+            flat = self.values.view(-1, self.values.shape[-1])  # (Bg·Hkv·G·bq, bk)
+            flat[shift.rows] = flat[shift.rows] - shift.amounts
+        return self._exp_(self.values, lowest if floor else None)
 
     def _exp_(self, x: torch.Tensor, floor: float | None) -> torch.Tensor:
         """exp(x) in place; with a floor, x is first raised to it and masked weights (no

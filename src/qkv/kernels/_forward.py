@@ -2,11 +2,11 @@
 
 For every row it keeps the sum l of its weights p = exp(score − m) and the sum of p·v; the
 result is exactly softmax(S')·V, and the log-sum-exp ``lse = m + log l`` of each row is kept
-for the backward pass. The shift m is first held fixed at each row's maximum over its first
-key block, which needs no maximum of the later blocks and no rescaling; rows whose later
-scores rise too far above it (see :func:`_accumulate`) are done again with the
-FlashAttention update, where m is each row's running maximum and a block that raises it from
-m to m' rescales the old sums by exp(m − m').
+for the backward pass, with m and 1/l. The shift m is first held fixed (at 0, or at a
+row's score when its scores in the first key block are all equal), which needs no maximum
+and no rescaling; rows whose scores sit too far from it (see :func:`_accumulate`) are done
+again with the FlashAttention update, where m is each row's running maximum and a block
+that raises it from m to m' rescales the old sums by exp(m − m').
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from qkv.kernels._blockwise import (
     Group,
     Indices,
     Problem,
+    RowShift,
     block_scores,
     blocks_of,
     dropout_block,
@@ -33,6 +34,7 @@ from qkv.kernels._blockwise import (
     split_groups,
 )
 from qkv.kernels._threads import run_tasks
+from qkv.masks import FULL
 
 __all__ = ["attention_forward"]
 
@@ -129,9 +131,8 @@ def _forward_rows(
     (Bg, Hkv, G, bq): the context, and the lse when it can be, are written there and
     returned as those tensors (no copy).
 
-    First with the shift fixed at each row's first-block maximum (:func:`_accumulate`), which
-    fails only for rows whose later scores rise far above it; those blocks run again with the
-    running max.
+    First with a fixed shift (:func:`_accumulate`), which fails only for rows whose scores
+    are far from it (or masked whole); those blocks run again with the running max.
     """
     kv_heads = group.k.shape[1]
     q_block = query_block(group.q, kv_heads, q0, q1, problem.scale * problem.units)
@@ -165,21 +166,22 @@ def _accumulate(
 
     With ``running_max``, the FlashAttention update: each row's scores are shifted by their
     running maximum m, and a block that raises it to m' rescales the sums by exp(m − m').
-    Without, m is each row's maximum over its first key block with a finite score for it
-    and stays there: the later blocks need no maximum (one pass fewer) and no rescaling.
-    Each weight is then exp(s − m) as in the reference, whose largest weight is exp(0) = 1:
-    a row whose scores are all equal gets weights of exactly 1 and the exact mean of its
-    values, as the reference does (a shift of 0 gave rounded exponentials there). That is
-    exact while every row's sum of weights l stays within [2⁻⁶⁰, 2¹⁰⁰]: no weight
-    overflows, and a weight that underflows is below 2⁻⁶⁶ of the row's largest. Otherwise
-    (or if the context overflows) it returns None, checked at the end.
+    Without, m stays fixed: no maximum of each block and no rescaling. It is 0 (the weights
+    are exp(s) themselves: not even a subtraction), except in the rows whose scores in the
+    first key block are all equal (:func:`_level_rows`): there it is that score, so that
+    such a row gets weights of exactly 1, as in the reference (exp(s) of equal scores
+    rounds, and the context missed by 1e-6). That is exact while every row's sum of weights
+    l stays within [2⁻⁶⁰, 2¹⁰⁰]: no weight overflows, and a weight that underflows is below
+    2⁻⁶⁶ of the row's largest. Otherwise (or if the context overflows) it returns None,
+    checked after the first block and at the end.
 
     Without dropout, ``values`` carry a last column of ones (when the call has at least
     :data:`SUMS_IN_PRODUCTS` queries), so each row's sum of weights l is the last column of
     acc, summed by the same matrix products in the same order as the context: a row whose
-    values are all 1 gets exactly 1 (acc / l), and the backward pass's Δ = dO·O is exact
-    there, as in the reference; and the pass that summed each block goes. Otherwise l is
-    summed block by block (with dropout it counts the weights before dropping).
+    values are all 1 gets exactly 1 (acc / l) whatever its scores, and the backward pass's
+    Δ = dO·O is exact there (dQ of all-ones inputs is exactly 0 under any bias); and the
+    pass that summed each block goes. Otherwise l is summed block by block (with dropout it
+    counts the weights before dropping).
     """
     rows = q_block.shape[1]
     like = q_block
@@ -195,12 +197,10 @@ def _accumulate(
     exp = torch.exp2 if problem.base2 else torch.exp
     far = group.bias is not None or problem.score_mod is not None  # scores may be ≪ 0
     first = True
-    # Without running_max: each row's fixed shift, its maximum over the first block where it
-    # has a finite score (−inf until then; such a row's weights there are 0 whatever the
-    # shift, so 0 stands in). Blocks left out by skipping hold no finite score for any
-    # row, so skipping them or not gives the same shifts, and the same bits.
-    fixed = applied = unset = row_max
-    pending = True
+    # Without running_max: the shift, fixed for the query block, decided on its first block
+    # with a score for some row (:func:`_level_rows`): None is a shift of 0 for every row.
+    decided = False
+    fixed: RowShift | None = None
     for k0, k1, kind in keys:
         out = buffers.get((group.rows, rows, k1 - k0), like)
         found = block_scores(problem, group, index, q_block, (q0, q1, k0, k1), kind, out)
@@ -218,17 +218,14 @@ def _accumulate(
             acc.mul_(rescale)
             row_max = new_max
         else:
-            if pending:
-                block_max = found.values.amax(dim=-1, keepdim=True)
-                fixed = block_max if first else torch.where(unset, block_max, fixed)
-                unset = torch.isneginf(fixed)
-                pending = bool(unset.any())
-                applied = fixed.masked_fill(unset, 0.0) if pending else fixed
-            # No weight of the first block exceeds exp(0) = 1: no early check for overflow.
-            scores = found.exp_fixed_(applied, floor=far)
+            if not decided:
+                level = _level_rows(found.values, unmasked=kind == FULL and not far)
+                if level is False:  # every weight 0; skipping the block gives the same bits
+                    continue
+                decided, fixed = True, (level if isinstance(level, RowShift) else None)
+            scores = found.exp_fixed_(fixed, floor=far)
             if not in_products:
                 row_sum.add_(scores.sum(dim=-1, keepdim=True))
-        first = False
         if problem.keep is not None:
             keep = dropout_block(problem, index, (q0, q1, k0, k1))
             scores.view(keep.shape[0], -1, q1 - q0, k1 - k0).mul_(keep)
@@ -237,6 +234,10 @@ def _accumulate(
             acc.baddbmm_(scores, group.values(values, k0, k1))
         if reach is not None and hits is not None:
             reach.baddbmm_((scores > 0).to(scores.dtype), kv_block(hits, k0, k1))
+        # With a shift of 0, large scores may overflow: give up after the first block.
+        if first and not running_max and not bool(row_sum.amax() <= _MOST):
+            return None
+        first = False
     dest_out, dest_lse = dest
     if not running_max:
         low, high = torch.aminmax(row_sum)
@@ -250,9 +251,10 @@ def _accumulate(
         context = _divide(context_sums, row_sum, dest_out, reach)
         inverse = torch.reciprocal(row_sum)
         log_sum = torch.log(row_sum.view(dest_lse.shape), out=dest_lse)
-        shift = applied.view(dest_lse.shape)
-        row_lse = log_sum.add_(shift, alpha=LN2 if problem.base2 else 1.0)
-        return context, row_lse, applied, inverse
+        shift = torch.zeros_like(row_sum) if fixed is None else fixed.full(row_sum)
+        if fixed is not None:
+            log_sum.add_(shift.view(dest_lse.shape), alpha=LN2 if problem.base2 else 1.0)
+        return context, log_sum, shift, inverse
     # A row whose scores are all −inf (a −inf bias on every allowed key): its weights are 0,
     # as in the reference (exp of the floor left them tiny but positive).
     dead = row_max == NEG_INF
@@ -267,6 +269,51 @@ def _accumulate(
     else:
         row_lse = (row_max + torch.log(row_sum)).squeeze(-1)
     return context, row_lse, row_max.masked_fill(dead, 0.0), inverse
+
+
+_SAMPLES = 8
+"""How many keys of a block :func:`_level_rows` looks at in every row, spread over the block,
+before it reads whole rows: only those of the rows whose allowed keys among them have equal
+scores (rarely any with real inputs; every row with constant ones)."""
+
+
+def _level_rows(values: torch.Tensor, *, unmasked: bool) -> RowShift | bool | None:
+    """The rows of a query block's first key block with a score for some row, ``values``
+    (Bg·Hkv, G·bq, bk), whose allowed scores there are all equal (one allowed key
+    included), with each one's score as its shift: such a row then gets weights of exactly
+    1 and the exact result the reference gets, where exp(s) rounds each weight (the context
+    missed by 1e-6, dV by a few units in the last place). None when there is no such row
+    (every shift 0: no pass to subtract it), False when no row has a score in the block.
+
+    A few keys of each row first (:data:`_SAMPLES`), a whole row only where those allowed
+    agree: a handful of small operations per query block, not three passes over its first
+    block. ``unmasked``: no score is −inf (a full block, no bias or modifier). NaN scores
+    never agree.
+    """
+    width = values.shape[-1]
+    flat = values.view(-1, width)  # (R, bk), R = Bg·Hkv·G·bq
+    seen = flat[:, :: max(1, width // _SAMPLES)]  # (R, ≤ 2·S), a view
+    finite = seen if unmasked else _masked_to_inf(seen)
+    # NaN compares False: a row with one is looked at whole, and is never level.
+    spread = finite.amin(dim=-1) < seen.amax(dim=-1)
+    if bool(spread.all()):
+        return None
+    candidates = spread.logical_not_().nonzero().squeeze(-1)
+    rows = flat[candidates]  # (n, bk)
+    largest = rows.amax(dim=-1, keepdim=True)
+    lowest = (rows if unmasked else _masked_to_inf(rows)).amin(dim=-1, keepdim=True)
+    scored = largest != NEG_INF
+    if candidates.numel() == flat.shape[0] and not bool(scored.any()):
+        return False
+    level = ((lowest == largest) & scored).squeeze(-1)
+    if not bool(level.any()):
+        return None
+    return RowShift(candidates[level], largest[level])
+
+
+def _masked_to_inf(scores: torch.Tensor) -> torch.Tensor:
+    """The scores with −inf (masked) made +inf, for the least allowed score; NaN stays."""
+    return scores.nan_to_num(nan=math.nan, posinf=math.inf, neginf=math.inf)
 
 
 def _divide(

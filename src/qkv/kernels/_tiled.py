@@ -11,8 +11,8 @@ every row
 
 When a new block raises the maximum from m to m', the old sums are multiplied by
 exp(m − m'), so the result is exactly softmax(S')·V, computed in one pass. (The forward pass
-first holds m fixed at each row's maximum over its first key block and takes the running
-maximum only for the query blocks that need it: :mod:`qkv.kernels._forward`.) The kernel
+first holds m fixed and takes the running maximum only for the query blocks that need it:
+:mod:`qkv.kernels._forward`.) The kernel
 keeps only the output, the log-sum-exp ``lse = m + log l`` of each row, and m and 1/l; the
 backward pass recomputes each block's weights from them as ``exp(S' − m) · (1/l)``, as the
 reference's exp(S' − max) / Σ (a row of equal scores gets exactly 1/L). The layout of the
