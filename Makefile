@@ -6,11 +6,14 @@ BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip install --disable-pip-version-check -q -c constraints.txt
 # pip's output goes to a log, shown only when the install fails.
 LOGGED  = > $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
-# The browser test drives Debian's Chromium; apt's output goes to a log, shown on failure.
+# The browser test drives Debian's Chromium, the sandbox tests Debian's bubblewrap; apt's
+# output goes to a log, shown on failure. tools/apt-install waits (up to 10 minutes) for
+# another apt or dpkg to let go of its lock, and says so when it gives up.
 CHROMIUM := /usr/bin/chromium
-SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+BWRAP    := /usr/bin/bwrap
+PACKAGE  := build/package-check
 
-.PHONY: demo test lint typecheck imports pytest install install-dev clean
+.PHONY: demo test lint typecheck imports pytest package install install-dev clean
 
 demo: $(VENV)/.installed
 	$(BIN)/qkv explain
@@ -18,7 +21,7 @@ demo: $(VENV)/.installed
 	@$(BIN)/qkv explain --html out/explain.html --plot out/weights.png
 	@$(BIN)/qkv explain --html out/practice.html --practice
 
-test: $(VENV)/.installed-dev lint typecheck imports pytest
+test: $(VENV)/.installed-dev lint typecheck imports package pytest
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check src tests benchmarks examples
@@ -33,9 +36,26 @@ imports: $(VENV)/.installed-dev
 
 # The one test that times the page (a 512-token edit, under 100 ms) runs alone, after the
 # rest: on 2 cores a second pytest worker would take the core Chromium needs.
-pytest: $(VENV)/.installed-dev $(CHROMIUM)
+pytest: $(VENV)/.installed-dev $(CHROMIUM) $(BWRAP)
 	$(BIN)/pytest -n 2 -m "not solo"
 	$(BIN)/pytest -m solo -p no:randomly tests/browser
+
+# Packaging cannot break unseen: build the sdist and, from it, the wheel (no deprecation allowed),
+# install the wheel alone into a new environment (the core: NumPy, no PyTorch), run it there.
+package: $(VENV)/.installed-dev
+	@rm -rf $(PACKAGE) && mkdir -p $(PACKAGE)
+	@$(BIN)/python -m build --no-isolation --outdir $(PACKAGE)/dist . > $(PACKAGE)/build.log 2>&1 \
+	    || { cat $(PACKAGE)/build.log; exit 1; }
+	@! grep -i "deprecat" $(PACKAGE)/build.log || { echo "the build warns of a deprecation (above)"; exit 1; }
+	@$(PYTHON) -m venv $(PACKAGE)/venv
+	@$(PACKAGE)/venv/bin/python -m pip install --disable-pip-version-check -q -c constraints.txt \
+	    $(PACKAGE)/dist/qkv-*.whl > $(PACKAGE)/pip.log 2>&1 || { cat $(PACKAGE)/pip.log; exit 1; }
+	@cd $(PACKAGE) && venv/bin/python -c "import importlib.util as u, qkv; \
+	    assert u.find_spec('torch') is None, 'the core pulled in torch'" \
+	    && venv/bin/qkv explain > explain.txt && venv/bin/qkv check --example i-love-statistics \
+	    -f json > check.json; test $$? = 1 && grep -q '"ok": false' check.json
+	@echo "package: sdist and wheel build; the wheel alone installs and runs (numpy only)"
+	@rm -rf $(PACKAGE)
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
@@ -51,11 +71,14 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PIP) -e '.[all,dev]' $(LOGGED)
 	@touch $@
 
-# Installed only where missing (a file target: make skips it when /usr/bin/chromium exists).
+# Installed only where missing (file targets: make skips them when the program exists).
 $(CHROMIUM): | $(VENV)/bin/python
 	@echo "installing Chromium for the browser test (apt-get; log: $(VENV)/apt.log)"
-	@{ $(SUDO) apt-get update && $(SUDO) env DEBIAN_FRONTEND=noninteractive \
-	    apt-get install -y chromium; } > $(VENV)/apt.log 2>&1 || { cat $(VENV)/apt.log; exit 1; }
+	@tools/apt-install $(VENV)/apt.log chromium
+
+$(BWRAP): | $(VENV)/bin/python
+	@echo "installing bubblewrap for the sandbox of check --function (log: $(VENV)/apt.log)"
+	@tools/apt-install $(VENV)/apt.log bubblewrap
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .mypy_cache .ruff_cache .pytest_cache .import_linter_cache

@@ -21,6 +21,9 @@ PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && [ "${1:-}" = "--smoke" ] && PY=.venv/bin/python
 mode="${1:-all}"
 shift || true
+if [ "$mode" = "--smoke" ]; then  # a check of the script: no time limits worth keeping
+    : "${TESTS_LIMIT:=900}" "${ATTENTION_LIMIT:=900}" "${OTHERS_LIMIT:=900}"
+fi
 
 if compgen -G ".whl/*.whl" > /dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -12,7 +12,8 @@ that average is the gradient of the whole sequence's mean loss. To show it, ever
 trains an unsplit copy of the model on the whole sequence and prints both losses.
 
 Runs on CPU with gloo (the default), or on GPUs with NCCL (``--backend nccl``, one GPU per
-process). Needs qkv with the torch extra.
+process). Needs qkv with the torch extra. A bad argument is one line, printed by rank 0 only
+(exit status 2 on every rank; torchrun then adds its own report of the failed ranks).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import sys
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -74,17 +77,48 @@ def train(
     return losses
 
 
+def fail(message: str) -> NoReturn:
+    """End this rank with exit status 2; rank 0 alone prints the one line."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"torchrun_ring.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with its usage errors through :func:`fail` (one line, once)."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(f"{message}. Hint: torchrun --nproc-per-node 2 examples/torchrun_ring.py --help")
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous", "striped"))
     parser.add_argument("--strategy", default="ring", choices=("ring", "allgather", "ulysses"))
-    parser.add_argument("--length", type=int, default=96, help="N, a multiple of 2·P")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--length", type=positive, default=96, help="N, a multiple of 2·P")
+    parser.add_argument("--steps", type=positive, default=3)
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     args = parser.parse_args()
-    layout: Layout = args.layout
-
     dist.init_process_group(args.backend, timeout=timedelta(seconds=60))
+    try:
+        run(args)
+    except (ValueError, TypeError) as error:  # qkv's one-line errors, raised on every rank
+        fail(str(error).splitlines()[0])
+
+
+def run(args: argparse.Namespace) -> None:
+    """Train the split model and the whole one; rank 0 prints both losses of each step."""
+    layout: Layout = args.layout
     rank, size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cpu")
     if args.backend == "nccl":

@@ -1,7 +1,8 @@
 """Test configuration: hypothesis profiles, seeded random generators, one PyTorch thread.
 
-CI runs the "ci" profile: derandomized, so a run is reproducible; locally, examples are random
-so that new cases keep being explored. Select with HYPOTHESIS_PROFILE=ci|dev. In both, a
+CI runs the "ci" profile (``.ci/run`` sets HYPOTHESIS_PROFILE=ci; so does a set ``CI``):
+derandomized, so a run is reproducible; locally, examples are random so that new cases keep
+being explored. Select with HYPOTHESIS_PROFILE=ci|dev. In both, a
 failing property prints its falsifying example and an ``@reproduce_failure(...)`` line: paste
 that line above the test to replay the exact failure (the printed example alone can round the
 numbers of an array, and ``--hypothesis-seed`` alone does not replay examples from the local

@@ -14,6 +14,7 @@ Dtype policy:
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,12 +29,35 @@ _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
 def library(x: object) -> str:
-    """The name of the library an array comes from: ``"numpy"``, ``"torch"`` or ``"other"``."""
-    if isinstance(x, np.ndarray | np.generic):
+    """The name of the library an array comes from: ``"numpy"``, ``"torch"`` or ``"other"``.
+
+    Two ``isinstance`` checks (a tensor exists only once torch is imported), which
+    ``torch.compile`` traces without a graph break.
+    """
+    if isinstance(x, (np.ndarray, np.generic)):
         return "numpy"
-    if array_api_compat.is_torch_array(x):
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
         return "torch"
     return "other"
+
+
+def compiling() -> bool:
+    """Whether ``torch.compile`` is tracing the running code (False without torch)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.compiler.is_compiling())
+
+
+def namespace_of(name: str) -> Any:
+    """The array API namespace of a library named by :func:`library` (``"numpy"`` or
+    ``"torch"``), without looking at an array."""
+    if name == "torch":
+        import array_api_compat.torch as torch_xp
+
+        return torch_xp
+    import array_api_compat.numpy as numpy_xp
+
+    return numpy_xp
 
 
 def as_array(x: object, name: str) -> Array:
@@ -67,19 +91,32 @@ def namespace(arrays: Sequence[tuple[str, Array | None]]) -> Any:
     """
     given = [(name, a) for name, a in arrays if a is not None]
     first_name, first = given[0]
+    kind = library(first)
     for name, a in given[1:]:
-        if library(a) != library(first):
-            raise TypeError(
-                f"{first_name} is a {_kind(first)} but {name} is a {_kind(a)}: all inputs must "
-                "come from one library (mixed namespaces). Hint: convert with "
-                "torch.as_tensor(...) or tensor.numpy()."
-            )
-        if library(a) == "torch" and a.device != first.device:
-            raise ValueError(
-                f"{first_name} is on device {first.device} but {name} is on {a.device}. "
-                f"Hint: move both to one device, e.g. {name}.to({first_name}.device)."
-            )
-    return array_api_compat.array_namespace(*(a for _, a in given))
+        same_place(first_name, first, kind, name, a)
+    if kind == "other":
+        return array_api_compat.array_namespace(*(a for _, a in given))
+    return namespace_of(kind)
+
+
+def same_place(first_name: str, first: Array, kind: str, name: str, x: Array) -> None:
+    """``x`` comes from ``first``'s library ``kind`` (and, for tensors, sits on its device).
+
+    Raises:
+        TypeError: another library, naming both arrays.
+        ValueError: PyTorch tensors on different devices.
+    """
+    if library(x) != kind:
+        raise TypeError(
+            f"{first_name} is a {_kind(first)} but {name} is a {_kind(x)}: all inputs must "
+            "come from one library (mixed namespaces). Hint: convert with "
+            "torch.as_tensor(...) or tensor.numpy()."
+        )
+    if kind == "torch" and x.device != first.device:
+        raise ValueError(
+            f"{first_name} is on device {first.device} but {name} is on {x.device}. "
+            f"Hint: move both to one device, e.g. {name}.to({first_name}.device)."
+        )
 
 
 def _kind(a: object) -> str:
@@ -105,11 +142,13 @@ def compute_dtype(xp: Any, x: Array) -> Any:
 
 
 def is_torch_namespace(xp: Any) -> bool:
-    return bool(array_api_compat.is_torch_namespace(xp))
+    """Whether ``xp`` is PyTorch's namespace (``torch`` or ``array_api_compat.torch``)."""
+    return getattr(xp, "__name__", "") in ("torch", "array_api_compat.torch")
 
 
 def device(x: Array) -> Any:
-    return array_api_compat.device(x)
+    """The device an array lives on (``"cpu"`` for NumPy)."""
+    return x.device if library(x) == "torch" else array_api_compat.device(x)
 
 
 def to_numpy(x: Array) -> np.ndarray:

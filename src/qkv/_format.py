@@ -114,9 +114,12 @@ def markdown_escape(text: str) -> str:
     return escaped
 
 
-# Characters a terminal acts on instead of showing (C0 and C1 controls, DEL)
-# and the bidirectional controls that reorder what follows them (Trojan Source).
-_INVISIBLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+# Characters a terminal acts on instead of showing (C0 and C1 controls, DEL), the
+# bidirectional controls that reorder what follows them (Trojan Source), and lone surrogates
+# (no terminal can be sent one: writing it raises UnicodeEncodeError).
+_INVISIBLE = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
+)
 _NAMED = {"\t": "\\t", "\n": "\\n", "\r": "\\r"}
 
 
@@ -131,10 +134,15 @@ def _escaped(match: re.Match[str]) -> str:
 def visible(text: str, *, newlines: bool = False) -> str:
     """``text`` with every control character written out visibly (``\\x1b``, ``\\u202e``).
 
-    Tokens and names come from files anyone may write: an ESC sequence would recolour or
-    rewrite the terminal, a bidirectional override would reorder the line around it. They are
-    shown as Python writes them in a string; everything else (accents, CJK, emoji) is kept.
-    ``newlines=True`` keeps line breaks (for a description of several lines).
+    The one escape of qkv for text from outside: tokens, keys, names, file names, students'
+    exception text and output. Every error message of a file qkv reads passes through it
+    (the error classes and the CLI's ``qkv: error:`` line), and so does every renderer.
+    Such text comes from files anyone may write: an ESC sequence would recolour or rewrite
+    the terminal (``\\x1b]0;TITLE\\x07`` sets its title), a bidirectional override would
+    reorder the line around it, a carriage return would let the rest of a line overwrite
+    its start. They are shown as Python writes them in a string; everything else (accents,
+    CJK, emoji) is kept. Applying it twice changes nothing more. ``newlines=True`` keeps
+    line breaks (for a description of several lines).
 
     Example:
         >>> print(visible("a\\x1b[31mb\\u202ec\\td"))

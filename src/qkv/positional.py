@@ -43,6 +43,7 @@ import numpy as np
 from qkv._array import (
     Array,
     as_array,
+    compiling,
     dtype_name,
     is_floating,
     library,
@@ -255,21 +256,11 @@ def apply_rope(
             "feature i with i + D/2 (Llama in Hugging Face), 'interleaved' pairs 2i and 2i + 1."
         )
     length, dim = int(x.shape[-2]), int(x.shape[-1])
-    if positions is None:
-        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-            raise ValueError(
-                f"offset must be an integer ≥ 0, got {offset!r}. "
-                "Hint: the number of tokens before the first row of x (0 without a cache)."
-            )
-        positions = np.arange(offset, offset + length)
-    angles = rope_angles(positions, dim, base)  # (P..., D/2)
-    if angles.ndim == 0 or angles.shape[-2:-1] not in ((length,), (1,)):
-        raise ValueError(
-            f"positions must give one position per token (length {length} on its last axis), "
-            f"got shape {shape_str(angles.shape[:-1])}. Hint: positions=range(offset, offset "
-            "+ L)."
-        )
-    cos, sin = _as_like(xp, np.cos(angles), x), _as_like(xp, np.sin(angles), x)
+    if positions is None and library(x) == "torch" and compiling():
+        _check_offset(offset)
+        cos, sin = _torch_tables(offset, length, dim, base, x)  # (L, D/2) each
+    else:
+        cos, sin = _numpy_tables(positions, offset, length, dim, base, xp, x)
     out_dtype = x.dtype
     work = x if dtype_name(x) in ("float32", "float64") else xp.astype(x, xp.float32)
     if layout == "half":
@@ -280,6 +271,53 @@ def apply_rope(
         pairs = xp.stack((a * cos - b * sin, b * cos + a * sin), axis=-1)  # (..., L, D/2, 2)
         rotated = xp.reshape(pairs, (*pairs.shape[:-2], dim))  # (..., L, D)
     return xp.astype(rotated, out_dtype)
+
+
+def _check_offset(offset: Any) -> None:
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValueError(
+            f"offset must be an integer ≥ 0, got {offset!r}. "
+            "Hint: the number of tokens before the first row of x (0 without a cache)."
+        )
+
+
+def _numpy_tables(
+    positions: Sequence[int] | Array | None,
+    offset: int,
+    length: int,
+    dim: int,
+    base: float,
+    xp: Any,
+    x: Array,
+) -> tuple[Array, Array]:
+    """cos and sin of the angles (P..., D/2), computed in NumPy float64, as x's arrays."""
+    if positions is None:
+        _check_offset(offset)
+        positions = np.arange(offset, offset + length)
+    angles = rope_angles(positions, dim, base)  # (P..., D/2)
+    if angles.ndim == 0 or angles.shape[-2:-1] not in ((length,), (1,)):
+        raise ValueError(
+            f"positions must give one position per token (length {length} on its last axis), "
+            f"got shape {shape_str(angles.shape[:-1])}. Hint: positions=range(offset, offset "
+            "+ L)."
+        )
+    return _as_like(xp, np.cos(angles), x), _as_like(xp, np.sin(angles), x)
+
+
+def _torch_tables(offset: int, length: int, dim: int, base: float, x: Any) -> tuple[Any, Any]:
+    """cos and sin of the angles (L, D/2) of positions offset … offset + L − 1, computed in
+    torch float64 on the CPU (what ``torch.compile`` traces; the same numbers as
+    :func:`rope_angles` to float64 rounding), as tensors of x's device and compute dtype."""
+    import torch
+
+    positions = torch.arange(offset, offset + length, dtype=torch.float64)
+    inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # (D/2,)
+    angles = positions[:, None] * inv_freq  # (L, D/2)
+    dtype = x.dtype if dtype_name(x) in ("float32", "float64") else torch.float32
+    return (
+        angles.cos().to(device=x.device, dtype=dtype),
+        angles.sin().to(device=x.device, dtype=dtype),
+    )
 
 
 # -- settings for qkv.nn ---------------------------------------------------------------------

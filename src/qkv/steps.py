@@ -20,11 +20,12 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-__all__ = ["STEP_NAMES", "WORDS", "StepWords", "meaning"]
+__all__ = ["LAYER_INPUT", "STEP_NAMES", "WORDS", "StepWords", "meaning", "projection_formula"]
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,10 @@ class StepWords:
         name: the step's name, e.g. ``"weights"``.
         title: its heading, e.g. ``"Attention weights"``.
         formula: the formula in plain text, e.g. ``"A = softmax(S') row by row"``.
-        latex: the formula in LaTeX (math mode, without delimiters). For Q, K and V it says
-            how they are made from the embeddings (``Q = X W_q``), as the LaTeX and
-            Markdown renderers print it.
+        latex: the formula in LaTeX (math mode, without delimiters). For Q, K and V it is
+            the bare letter: how they were made (``Q = X·W_q``, ``Q = RoPE(X·W_q + b_q)``)
+            is what each call records as the step's formula (see
+            :func:`projection_formula`), never assumed.
         description: one line on what it means, as a trace records it:
             ``"attention weights: each row ..."``.
         singular: how one row of it is called (``"context vector"``).
@@ -107,7 +109,7 @@ _WORDS = (
         "Q",
         "Query vectors",
         "Q",
-        "Q = X W_q",
+        "Q",
         "query vectors: what each word is looking for",
         "query vector",
         "query vectors",
@@ -116,7 +118,7 @@ _WORDS = (
         "K",
         "Key vectors",
         "K",
-        "K = X W_k",
+        "K",
         "key vectors: what each word offers to be matched against a query",
         "key vector",
         "key vectors",
@@ -125,7 +127,7 @@ _WORDS = (
         "V",
         "Value vectors",
         "V",
-        "V = X W_v",
+        "V",
         "value vectors: the information each word passes on",
         "value vector",
         "value vectors",
@@ -198,8 +200,8 @@ _WORDS = (
     StepWords(
         "concat",
         "Concatenated context vectors",
-        "concat(C_1, …, C_h)",
-        r"\operatorname{concat}(C_1, \ldots, C_h)",
+        "concat(C_0, …, C_{h−1})",
+        r"\operatorname{concat}(C_0, \ldots, C_{h-1})",
         "the context vectors of all heads, side by side",
         "concatenated context vector",
         "concatenated context vectors",
@@ -227,6 +229,20 @@ _WORDS = (
 WORDS: Mapping[str, StepWords] = MappingProxyType({w.name: w for w in _WORDS})
 """Each step's words, by step name."""
 
+LAYER_INPUT = StepWords(
+    "embeddings",
+    "Input of the layer",
+    "X",
+    "X",
+    "layer input: the rows this layer reads, one per token (d_model numbers each); in a "
+    "model, what the layers before it (and a norm) made of the token embeddings",
+    "input row",
+    "input rows",
+)
+"""The words of the ``embeddings`` step recorded by a layer of a model: an inner layer reads
+what the layers before it wrote, and a block's own norm comes before its attention, so the
+rows are not the token embeddings themselves."""
+
 STEP_NAMES: tuple[str, ...] = tuple(WORDS)
 """The step names, in the order of computation."""
 
@@ -245,3 +261,52 @@ def meaning(name: str, description: str | None = None) -> str:
         text = rest
     text = text[:1].upper() + text[1:]
     return text if not text or text.endswith((".", "!", "?")) else text + "."
+
+
+def projection_formula(
+    letter: str,
+    *,
+    source: str = "X",
+    bias: bool = False,
+    norm: bool = False,
+    scale: float | None = None,
+    d_k: int | None = None,
+    rope: bool = False,
+) -> str:
+    """How a model made its query, key or value vectors from a layer's input, as a formula.
+
+    Args:
+        letter: ``"Q"``, ``"K"`` or ``"V"``.
+        source: the rows projected: ``"X"`` (the layer's own input), ``"Y"`` (another
+            sequence's, as in cross-attention).
+        bias: the projection adds a bias (``+ b_q``).
+        norm: a normalisation follows the projection (Qwen3's ``q_norm``).
+        scale: a number the model multiplies the projection by itself (Whisper and OPT
+            scale Q before attention and then do not scale the scores); written
+            ``/ √d_k`` when it is 1/√``d_k``.
+        d_k: the head size, to recognise a scale of 1/√d_k.
+        rope: the vectors are then rotated by their positions (RoPE, as the model defines
+            it, with its own scaling).
+
+    Example:
+        >>> projection_formula("Q", bias=True, rope=True)
+        'Q = RoPE(X·W_q + b_q)'
+        >>> projection_formula("V", source="Y")
+        'V = Y·W_v'
+        >>> projection_formula("Q", bias=True, scale=0.125, d_k=64)
+        'Q = (X·W_q + b_q) / √d_k'
+    """
+    if letter not in ("Q", "K", "V") or source not in ("X", "Y"):
+        raise ValueError(f"letter must be Q, K or V and source X or Y, got {letter!r}, {source!r}")
+    low = letter.lower()
+    made = f"{source}·W_{low}" + (f" + b_{low}" if bias else "")
+    if norm:
+        made = f"norm({made})"
+    if scale is not None and scale != 1.0:
+        if d_k and abs(scale * math.sqrt(d_k) - 1.0) <= 1e-6:
+            made = f"({made}) / √d_k"
+        else:
+            made = f"({made}) × {scale:.4g}"
+    if rope:
+        made = f"RoPE({made})"
+    return f"{letter} = {made}"

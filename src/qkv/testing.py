@@ -6,8 +6,10 @@ different numbers, and names the slip (``unscaled``, ``softmax-wrong-axis``, ``m
 assertion for an autograder.
 
 Give the function itself (it runs in this process, with no time limit), or ``"FILE.py:NAME"``:
-then the file is loaded in a separate Python process with a time limit. Loading a file runs
-its code, as ``python FILE.py`` would.
+then the file is loaded in a sandboxed Python process with a time limit (a fresh temporary
+folder, a scrubbed environment, resource limits, nothing outliving the check; under
+bubblewrap, where installed, a read-only system and no network: docs/check-function.md).
+Loading a file runs its code, as ``python FILE.py`` would.
 
 Example:
     >>> import numpy as np
@@ -47,11 +49,12 @@ def check_attention(
     alignment: str = "top-left",
     timeout: float = 20.0,
     batched: bool = False,
+    isolation: str = "auto",
 ) -> FunctionReport:
     """Check an attention function; the report ``qkv check --function`` prints.
 
     Args:
-        fn: the function, or ``"FILE.py:NAME"`` (loaded in a separate process).
+        fn: the function, or ``"FILE.py:NAME"`` (loaded in a sandboxed process).
         kind: ``"attention"`` (``fn(Q, K, V)`` or ``fn(Q, K, V, mask)``), ``"causal"``
             (``fn(Q, K, V)``, causal) or ``"multi-head"``
             (``fn(X, W_q, W_k, W_v, W_o, num_heads)``, row vectors).
@@ -60,14 +63,20 @@ def check_attention(
         array: ``"auto"`` (NumPy, else torch tensors), ``"numpy"`` or ``"torch"``.
         alignment: the causal rule meant when Lq ≠ Lk: ``"top-left"`` (query i sees keys
             0 … i, PyTorch's ``is_causal``) or ``"bottom-right"``.
-        timeout: seconds allowed to a ``"FILE.py:NAME"`` (ignored for a function).
+        timeout: seconds allowed to a ``"FILE.py:NAME"``, a positive finite number
+            (ignored for a function).
         batched: also require batched inputs (B, H, L, d) to work (kinds attention and
             causal); a function that fails them is ``unbatched``. Without it, the probes are
             (L, d), and a function that only takes (B, H, L, d) is probed with B = H = 1.
+        isolation: how a ``"FILE.py:NAME"`` is kept from the machine: ``"auto"`` (the
+            strongest level available), ``"bubblewrap"``, ``"namespaces"`` or ``"process"``
+            (ignored for a function). The report's ``isolation`` says which ran.
 
     Raises:
-        FunctionError: the function cannot be loaded or called, crashed or timed out.
-        ValueError: an unknown kind, mask meaning, array library or alignment.
+        FunctionError: the function cannot be loaded or called, crashed, hit a limit or
+            timed out.
+        ValueError: an unknown kind, mask meaning, array library, alignment or isolation, an
+            isolation not available here, or a timeout that is not a positive number.
     """
     if isinstance(fn, str):
         return _check_function_file(
@@ -78,6 +87,7 @@ def check_attention(
             alignment=alignment,
             timeout=timeout,
             batched=batched,
+            isolation=isolation,
         )
     return _check_function(
         fn, kind, mask_means=mask_means, array=array, alignment=alignment, batched=batched
@@ -93,6 +103,7 @@ def assert_attention(
     alignment: str = "top-left",
     timeout: float = 20.0,
     batched: bool = False,
+    isolation: str = "auto",
 ) -> None:
     """Assert that ``fn`` computes attention; the failure message names each slip and says
     what the step should have been (the arguments of :func:`check_attention`).
@@ -109,6 +120,7 @@ def assert_attention(
         alignment=alignment,
         timeout=timeout,
         batched=batched,
+        isolation=isolation,
     )
     if not report.ok:
         wrong = [f for f in report.findings if f.wrong]

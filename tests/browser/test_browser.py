@@ -153,8 +153,8 @@ def test_switching_heads_changes_the_matrix_and_the_lines(tab: Tab, tmp_path: Pa
     tab.choose("qkv-head", 1)
     assert tab.js(WEIGHTS_TEXT) != weights
     assert tab.js("document.querySelector('.section-title:nth-of-type(2)') !== null")
-    assert "Head 2 of 2" in tab.js("document.querySelector('.steps').textContent")
-    assert "Head 1 of 2" not in tab.js("document.querySelector('.steps').textContent")
+    assert "Head 1 of 2 heads" in tab.js("document.querySelector('.steps').textContent")
+    assert "Head 0 of 2 heads" not in tab.js("document.querySelector('.steps').textContent")
     other = tab.js(LINE_WIDTHS)
     assert other != widths
     tab.choose("qkv-head", 0)

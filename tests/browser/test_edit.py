@@ -76,7 +76,7 @@ def test_editing_one_weight_changes_every_dependent_step(tab: Tab, tmp_path: Pat
     tab.js("document.getElementById('qkv-edit').click()")
     assert tab.js("document.querySelectorAll('[data-step=W_k] input.cell-edit').length") == 16
     assert tab.js("qkvPage.edited()") is False
-    # W_k row e2, column h1.d1: only K, the scores and what follows them depend on it.
+    # W_k row e2, column h0.d1: only K, the scores and what follows them depend on it.
     type_into(tab, "input[data-edit='W_k:0:1:0']", "-0.75")
     assert tab.js("window.edits") >= 1 and tab.js("qkvPage.edited()") is True
     after = python_steps(
@@ -86,7 +86,7 @@ def test_editing_one_weight_changes_every_dependent_step(tab: Tab, tmp_path: Pat
     assert assert_same(page, after, TOL) >= 20
     for step in ("K", "scores", "scaled", "weights", "context"):
         assert not np.allclose(after[(step, 0)], before[(step, 0)]), step
-        assert np.array_equal(after[(step, 1)], before[(step, 1)]), step  # head 2: untouched
+        assert np.array_equal(after[(step, 1)], before[(step, 1)]), step  # head 1: untouched
     for step in ("concat", "output"):
         assert not np.allclose(after[(step, 0)], before[(step, 0)]), step
     assert np.array_equal(after[("Q", 0)], before[("Q", 0)])

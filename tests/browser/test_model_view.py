@@ -54,13 +54,13 @@ def test_the_grid_has_a_map_per_layer_and_head(tab: Tab, model_page: Path) -> No
     assert tab.js(SELECTED) == ["1/2"]
     assert tab.js(VALUE.format("qkv-layer")) == "1"
     assert tab.js(VALUE.format("qkv-head")) == "2"
-    assert "Head 3 of 4" in tab.js("document.querySelector('.steps').textContent")
+    assert "Head 2 of 4 heads" in tab.js("document.querySelector('.steps').textContent")
     # ... and on the last token, the one a causal model predicts from
     query = VALUE.format("qkv-query")
     assert tab.js(query) == str(tab.js("document.getElementById('qkv-query').length") - 1)
     label = tab.js("document.querySelector('.mv-map').getAttribute('aria-label')")
     assert re.fullmatch(
-        r"model\.layers\.0\.self_attn, Head 1 of 4 \(key/value head 1 of 2\): query ran "
+        r"model\.layers\.0\.self_attn, Head 0 of 4 heads \(key/value head 0 of 2\): query ran "
         r"attends most to \S+ \(weight 0\.\d{4}\); largest share in the map \d\.\d{4}\.",
         label,
     ), label
@@ -81,7 +81,7 @@ def test_clicking_a_map_switches_the_head_view_and_the_matrix(tab: Tab, model_pa
     assert tab.js(WEIGHTS_TEXT) != weights
     assert tab.js(LINE_WIDTHS) != widths
     steps = tab.js("document.querySelector('.steps').textContent")
-    assert "Head 2 of 4" in steps and "Head 3 of 4" not in steps
+    assert "Head 1 of 4 heads" in steps and "Head 2 of 4 heads" not in steps
     label = tab.js("document.querySelector('.mv-map').getAttribute('aria-label')")
     assert "query mat attends most to" in label  # the labels follow the query selected
     # the selectors move the grid's mark too
@@ -115,4 +115,40 @@ def test_pages_without_a_model_have_no_grid(tab: Tab, tmp_path: Path) -> None:
     render.html(examples.run(examples.builtin("two-heads")), path)
     tab.open(path)
     assert tab.js("document.querySelector('.modelview') === null")
+    assert tab.problems() == []
+
+
+@pytest.fixture(scope="module")
+def one_query_page(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The page of issue 25: a grouped-query model (4 heads, 2 key/value heads) with one
+    query row, ``--query cat``."""
+    folder = tmp_path_factory.mktemp("llama-gqa") / "tiny-llama"
+    save_tiny("llama", folder)
+    page = folder.parent / "cat.html"
+    argv = ["explain", "--hf", str(folder), "--text", TEXT, "--query", "cat"]
+    assert main([*argv, "--html", str(page)]) == 0
+    return page
+
+
+def test_every_head_of_a_grouped_query_model_reads_its_context_vector(
+    tab: Tab, one_query_page: Path
+) -> None:
+    """Heads 2 and 3 share key/value head 1: their context panel reads the weighted sum of
+    that head's value vectors (it said "This trace has no context vectors" when the page gave
+    them key/value head 0). The grid's columns are the heads' own numbers, from 0."""
+    tab.open(one_query_page)
+    assert tab.problems() == []
+    headers = tab.js("[...document.querySelectorAll('.mv-head')].map(e => e.textContent)")
+    assert headers == ["0", "1", "2", "3"]
+    reading = "document.querySelector('.panel.reading').innerText"
+    for layer in (0, 1):
+        tab.choose("qkv-layer", layer)
+        for head in range(4):
+            tab.choose("qkv-head", head)
+            text = tab.js(reading)
+            assert "no context vectors" not in text, (layer, head)
+            assert "The context vector of the query “cat”" in text, (layer, head)
+            assert re.search(r"c_cat = 0\.\d{4}·v_the", text), (layer, head)
+            steps = tab.js("document.querySelector('.steps').textContent")
+            assert f"Head {head} of 4 heads (key/value head {head // 2} of 2)" in steps
     assert tab.problems() == []

@@ -130,7 +130,7 @@ def test_explain_options(capsys: pytest.CaptureFixture[str]) -> None:
 
     status, out, _ = run_main(capsys, "explain", "--heads", "2")
     assert status == 0
-    assert "Head 2 of 2" in out
+    assert "Head 1 of 2 heads" in out
 
 
 def test_explain_query_by_position(capsys: pytest.CaptureFixture[str]) -> None:

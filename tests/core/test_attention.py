@@ -223,9 +223,18 @@ def test_cross_attention_takes_keys_and_values_from_context() -> None:
         x, W_q, W_k, W_v, num_heads=2, context=y, return_weights=True
     )
     assert out.shape == (2, 3, 4) and weights.shape == (2, 2, 3, 7)
-    q = qkv.split_heads(np, x @ W_q, 2)
-    k, v = qkv.split_heads(np, y @ W_k, 2), qkv.split_heads(np, y @ W_v, 2)
-    assert out == pytest.approx(qkv.merge_heads(np, qkv.scaled_dot_product_attention(q, k, v)))
+    # The oracle, written out without qkv: head h owns columns 2h, 2h + 1 of each projection;
+    # its queries come from x, its keys and values from y; its context fills its columns.
+    d = 2
+    for b in range(2):
+        for h in range(2):
+            cols = slice(h * d, (h + 1) * d)
+            q, k, v = (x[b] @ W_q)[:, cols], (y[b] @ W_k)[:, cols], (y[b] @ W_v)[:, cols]
+            scores = q @ k.T / np.sqrt(d)  # (3, 7): every query against every context key
+            a = np.exp(scores - scores.max(axis=1, keepdims=True))
+            a /= a.sum(axis=1, keepdims=True)
+            assert weights[b, h] == pytest.approx(a, abs=1e-12)
+            assert out[b, :, cols] == pytest.approx(a @ v, abs=1e-12)
 
 
 def test_projection_biases() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -220,3 +220,99 @@ def test_version_2_call_fields_are_checked(change: Any, field: str | None, expec
         qkv.Trace.from_json(json.dumps(data))
     assert info.value.field == field and expected in str(info.value)
     assert "\n" not in str(info.value)
+
+
+GQA_SELECTIONS = [
+    {"queries": [2]},
+    {"heads": [3]},
+    {"heads": [1, 2], "queries": [0, -1]},
+]
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "tiled"])
+@pytest.mark.parametrize("selection", GQA_SELECTIONS)
+def test_selected_rows_of_a_fast_backend_keep_the_call_head_counts(
+    backend: Literal["sdpa", "tiled"], selection: dict[str, list[int]]
+) -> None:
+    """A fast backend's traced rows are recomputed for the selected heads only; the call's
+    facts still say its own num_heads and num_kv_heads, as the reference's trace does, and
+    each selected head's K and V are those of key/value head h // 2."""
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 5, 3, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 5, 3, generator=generator, dtype=torch.float64) for _ in "kv")
+    with qkv.tracing() as whole:
+        qkv.scaled_dot_product_attention(q, k, v, enable_gqa=True, backend="reference")
+    with qkv.tracing(heads=selection.get("heads"), queries=selection.get("queries")) as part:
+        qkv.scaled_dot_product_attention(q, k, v, enable_gqa=True, backend=backend)
+    (call,) = part.calls
+    assert (call.meta["num_heads"], call.meta["num_kv_heads"]) == (4, 2)
+    assert (part.meta["num_heads"], part.meta["num_kv_heads"]) == (4, 2)
+    heads = [h % 4 for h in selection.get("heads", range(4))]
+    rows = [r % 5 for r in selection.get("queries", range(5))]
+    np.testing.assert_allclose(
+        call["weights"].value, whole["weights"].value[:, heads][:, :, rows], atol=1e-12
+    )
+    narrative = render.narrate(part)
+    for h in heads:
+        title = f"Head {h} of 4 heads (key/value head {h // 2} of 2)"
+        (section,) = [s for s in narrative.sections if s.title == title]
+        views = {view.name: view for view in section.steps}
+        for name in ("K", "V"):
+            table = views[name].table
+            assert table is not None
+            np.testing.assert_allclose(table.values, whole[name].value[0, h // 2])
+        assert views["scores"].equations and views["context"].equations
+
+
+@pytest.mark.parametrize(("name", "heads"), [("rows", [0, 1, 2, 3]), ("heads", [0, 1])])
+def test_files_of_selected_rows_written_before_the_counts_were_kept_load_with_them(
+    name: str, heads: list[int]
+) -> None:
+    """Trace files of qkv before this fix (tests/data/README.md) gave a call of selected rows
+    the counts of the heads recomputed (num_kv_heads 4 for 2, num_heads 2 for 4); they load
+    with the model's, read from the call's recorded input shapes, and each head is shown
+    with the key/value head it used."""
+    raw = json.loads((DATA / f"trace_v2_gqa_{name}.json").read_text())
+    old_counts = (raw["calls"][0]["meta"]["num_heads"], raw["calls"][0]["meta"]["num_kv_heads"])
+    assert old_counts != (4, 2)  # what the file says
+    trace = qkv.Trace.load(DATA / f"trace_v2_gqa_{name}.json")
+    (call,) = trace.calls
+    assert (call.meta["num_heads"], call.meta["num_kv_heads"]) == (4, 2)
+    assert (trace.meta["num_heads"], trace.meta["num_kv_heads"]) == (4, 2)
+    keys = call["K"].value[0]  # (kept key/value heads, keys, d)
+    kv_index = (call["K"].index or {}).get("kv_head")
+    narrative = render.narrate(trace)
+    titled = [s for s in narrative.sections if s.title and s.title.startswith("Head")]
+    assert [s.title for s in titled] == [
+        f"Head {h} of 4 heads (key/value head {h // 2} of 2)" for h in heads
+    ]
+    for position, (h, section) in enumerate(zip(heads, titled, strict=True)):
+        views = {view.name: view for view in section.steps}
+        table = views["K"].table
+        assert table is not None
+        want = keys[position] if kv_index is not None else keys[h // 2]
+        np.testing.assert_allclose(table.values, want)
+        assert views["scores"].equations, section.title  # q·k from the K shown: true
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        {"query": [1, 4, 1, 4], "key": [1, 3, 4, 4]},  # 3 does not divide 4
+        {"query": [1, 4, 1, 4], "key": [1, 0, 4, 4]},
+        {"query": "x", "key": [1, 2, 4, 4]},
+        {"query": [1, 4, 1, 4], "key": [4, 4]},
+        {"query": [1, True, 1, 4], "key": [1, 2, 4, 4]},
+        "shapes",
+    ],
+)
+def test_a_file_whose_shapes_do_not_give_counts_keeps_its_own(shapes: Any) -> None:
+    raw = json.loads((DATA / "trace_v2_gqa_rows.json").read_text())
+    raw["calls"][0]["meta"]["shapes"] = shapes
+    if not isinstance(shapes, dict):
+        with pytest.raises(trace_module.TraceFileError, match="shapes: expected an object"):
+            qkv.Trace.from_dict(raw)
+        return
+    trace = qkv.Trace.from_dict(raw)
+    assert trace.calls[0].meta["num_kv_heads"] == 4  # as written: nothing to read it from
+    assert "Head 3 of 4 heads" in render.text(trace)

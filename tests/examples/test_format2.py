@@ -141,7 +141,7 @@ BAD = [
         "format: 2\ninputs: {Q: [[1, 1]], K: [[1, 1]], V: [[1, 1]]}\nheads: 2\n"
         "claimed: {per_head: [{}, {}, {}]}",
         "claimed.per_head",
-        "at most 2",
+        "expected 2 mappings, one per head",
     ),
     (
         "format: 2\ninputs: {Q: [[1]], K: [[1]]}\nclaimed: {weights: {t1: [-inf]}}",

@@ -15,15 +15,12 @@ run ``qkv`` in a child process with a time limit and 2 GiB of address space.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gzip
 import json
 import math
 import re
 import shutil
-import subprocess
-import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +35,7 @@ import qkv
 from qkv import examples, render
 from qkv.cli import main
 from qkv.embeddings import load as load_embeddings
+from tests.support.isolated import run_cli_isolated
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -148,27 +146,6 @@ def assert_one_line_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> 
         lines = [line for line in err.splitlines() if line.strip()]
         assert code == 2 and len(lines) == 1 and lines[0].startswith("qkv: error: "), err
     return code
-
-
-def run_isolated(runs: list[list[str]], cwd: Path, seconds: float = 60) -> list[tuple[int, str]]:
-    """Run ``qkv ARGV`` for each of ``runs`` in one child process with 2 GiB of address space
-    and a time limit; (exit status, stderr) of each. A traceback ends the child: it fails."""
-    code = (
-        "import contextlib, io, json, resource, sys\n"
-        "resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
-        "from qkv.cli import main\n"
-        "results = []\n"
-        f"for argv in {runs!r}:\n"
-        "    err = io.StringIO()\n"
-        "    with contextlib.redirect_stderr(err):\n"
-        "        results.append((main(argv), err.getvalue()))\n"
-        "print(json.dumps(results))\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=seconds, cwd=cwd
-    )
-    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    return [(int(c), str(e)) for c, e in json.loads(done.stdout.splitlines()[-1])]
 
 
 def assert_clean_exit(result: tuple[int, str]) -> None:
@@ -335,11 +312,25 @@ def test_fuzz_checkpoint_manifests(trained_run: Path, tmp_path: Path) -> None:
 def test_fuzz_attention_api(
     q_shape: list[int], k_shape: list[int], fill: float, causal: bool
 ) -> None:
+    """Shapes that fit give what the mathematics says; those that do not, and scores that
+    overflow, give one line that names the argument and a hint."""
     q = np.full(q_shape, fill)
-    k = np.full(k_shape, 1.0)
-    with contextlib.suppress(ValueError, TypeError), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # overflow: item 8, another change
-        qkv.scaled_dot_product_attention(q, k, k, is_causal=causal)
+    k = np.full(k_shape, 1.0)  # the keys and values: every score of a row is the same
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # inf − inf on an infinite query
+            out = qkv.scaled_dot_product_attention(q, k, k, is_causal=causal)
+    except (ValueError, TypeError) as error:
+        message = str(error)
+        assert "\n" not in message and "Hint:" in message, message
+        assert re.search(r"\b(query|key|value)\b", message), message
+        return
+    assert out.shape == (*q.shape[:-1], k.shape[-1])
+    # Equal scores share the weight equally among the keys a row may see, and the values
+    # are ones: every context vector is ones. A NaN or infinite query makes NaN scores (no
+    # error: the input is not finite); a finite one that overflows was refused above.
+    expected = 1.0 if math.isfinite(fill) else math.nan
+    np.testing.assert_array_equal(out, np.full(out.shape, expected))
 
 
 @pytest.mark.parametrize("query", ["²", "-0", "1" + "0" * 50, "", " ", "<script>", "\x1b[2J"])
@@ -448,5 +439,5 @@ def test_devices_and_huge_files_end_within_seconds(tmp_path: Path) -> None:
         ["train", "classify", "--embeddings", str(bomb), "--out", "r2", "--steps", "1"],
         ["train", "classify", "--embeddings", str(header), "--out", "r3", "--steps", "1"],
     ]
-    for result in run_isolated(runs, tmp_path):
+    for result in run_cli_isolated(runs, cwd=tmp_path, seconds=60):
         assert_clean_exit(result)

@@ -98,7 +98,7 @@ def test_the_explanation_says_q_and_k_are_after_rope(
     code, out, _ = run(capsys, "--hf", folders["llama"], "--text", "the cat sat", "--head", "1")
     assert code == 0
     assert "after RoPE" in " ".join(out.split())
-    assert "Head 2 of 4 (key/value head 1 of 2)" in out
+    assert "Head 1 of 4 heads (key/value head 0 of 2)" in out
     assert "model.layers.0.self_attn" in out
     assert max(len(line) for line in out.splitlines()) <= 80
     code, out, _ = run(capsys, "--hf", folders["gpt2"], "--text", "the cat sat")
@@ -170,10 +170,70 @@ def test_html_holds_every_layer_and_head_and_opens_on_the_one_asked(
     assert [len(row["heads"]) for row in view["rows"]] == [4, 4]
     assert view["start"] == {"call": 1, "head": 2}
     titles = [section["title"] for section in data["calls"][1]["sections"]]
-    assert titles[2].startswith("Head 3 of 4")
+    assert titles[2].startswith("Head 2 of 4 heads")
     # every step of every head, for every token of the short text
     names = {step["name"] for step in data["calls"][0]["sections"][0]["steps"]}
     assert {"Q", "K", "V", "scores", "weights", "context"} <= names
+
+
+@pytest.mark.parametrize("head", ["0", "3", "-1"])
+def test_head_n_is_what_every_output_calls_head_n(
+    capsys: pytest.CaptureFixture[str], folders: dict[str, Path], tmp_path: Path, head: str
+) -> None:
+    """Counted from 0 everywhere: ``--head N --layer 1 --query 2`` is the section titled
+    ``Head N of 4 heads`` of layer 1, for the token at position 2, in the text, Markdown,
+    LaTeX and JSON formats and on the page (issue 25, item 2)."""
+    number = int(head) % 4
+    title = f"Head {number} of 4 heads (key/value head {number // 2} of 2)"
+    argv = ["--hf", folders["llama"], "--text", "the cat sat on", "--layer", "1"]
+    argv += ["--head", head, "--query", "2"]
+    for fmt in ("text", "markdown", "latex"):
+        code, out, err = run(capsys, *argv, "--format", fmt)
+        assert code == 0, err
+        words = " ".join(out.split()).replace("\\_", "_")  # LaTeX escapes the underscore
+        assert title in words, fmt
+        assert f"head {number} of 4 heads" in words  # the description
+        assert "model.layers.1.self_attn" in words
+        assert re.search(rf"Head (?!{number} )\d of 4", words) is None, fmt  # no other head
+    code, out, err = run(capsys, *argv, "--format", "json")
+    assert code == 0, err
+    trace = qkv.Trace.from_json(out)
+    assert trace["weights"].index == {"head": [number], "query": [2]}
+    assert trace.query_tokens == ["sat"] and trace.layer_names() == ["model.layers.1.self_attn"]
+    page = tmp_path / "page.html"
+    code, _, err = run(capsys, *argv, "--html", page)
+    assert code == 0, err
+    data = page_data(page)
+    start = data["modelView"]["start"]
+    assert start == {"call": 1, "head": number}
+    sections = [s for s in data["calls"][1]["sections"] if s["head"] is not None]
+    assert sections[number]["title"] == title
+    row = data["modelView"]["rows"][1]
+    assert [m["number"] for m in row["heads"]] == [0, 1, 2, 3]  # the grid's column headers
+
+
+def test_the_page_reads_every_head_s_context_with_its_own_values(
+    capsys: pytest.CaptureFixture[str], folders: dict[str, Path], tmp_path: Path
+) -> None:
+    """The case of issue 25: a grouped-query model (4 heads, 2 key/value heads) on the page
+    with one query row. Every head of every layer shows the K and V of its key/value head
+    and its context vectors as weighted sums of them (they read "no context vectors" for
+    heads 2 and 3, which were given key/value head 0)."""
+    page = tmp_path / "page.html"
+    code, _, err = run(
+        capsys, "--hf", folders["llama"], "--text", TEXT, "--query", "cat", "--html", page
+    )
+    assert code == 0, err
+    data = page_data(page)
+    for call in data["calls"]:
+        sections = [s for s in call["sections"] if s["head"] is not None]
+        assert len(sections) == 4
+        values = []
+        for section in sections:
+            steps = {step["name"]: step for step in section["steps"]}
+            assert steps["context"]["weightedSum"] is True, section["title"]
+            values.append(steps["V"]["data"])
+        assert values[0] == values[1] != values[2] == values[3]  # key/value heads 0, 0, 1, 1
 
 
 def test_a_long_page_keeps_every_step_of_one_layer_and_the_weights_of_the_others(
@@ -237,26 +297,30 @@ def test_a_model_id_in_the_local_cache_is_found_offline(
     assert "hf download tiny/other" in line and "--online" in line
 
 
-def test_only_online_lets_transformers_download(
+def test_only_online_downloads_and_never_code_nor_pickles(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import huggingface_hub
-    import transformers
 
-    asked: list[bool] = []
+    asked: list[dict[str, Any]] = []
 
-    def from_pretrained(name: str, **options: Any) -> Any:
-        asked.append(options["local_files_only"])
+    def snapshot_download(name: str, **options: Any) -> Any:
+        asked.append(options)
+        if options.get("local_files_only"):
+            raise huggingface_hub.errors.LocalEntryNotFoundError("not cached")
         raise OSError("no network here")
 
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
-    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     code, _, err = run(capsys, "--hf", "tiny/llama", "--text", "the cat")
     assert "not in the local Hugging Face cache" in one_error_line(code, err)
-    assert asked == []  # nothing was even tried
+    assert [a.get("local_files_only") for a in asked] == [True]  # no download was tried
+    asked.clear()
     code, _, err = run(capsys, "--hf", "tiny/llama", "--text", "the cat", "--online")
-    assert "no network here" in one_error_line(code, err)
-    assert asked == [False]
+    assert "the download failed (no network here)" in one_error_line(code, err)
+    assert [a.get("local_files_only") for a in asked] == [True, None]
+    patterns = asked[1]["allow_patterns"]
+    assert "*.safetensors" in patterns and "*.json" in patterns
+    assert not {"*.py", "*.bin", "*.pt", "*.pkl", "*"} & set(patterns)
 
 
 # -- one line and exit 2 for each mistake ------------------------------------------------------

@@ -260,6 +260,26 @@ def test_header_names_heads_and_rows_as_the_tables_do() -> None:
         model(torch.randn(1, 5, 16))
     assert t.meta["description"] == (
         "Recorded with qkv.tracing; recorded layers: blocks.0.attn, blocks.1.attn; "
-        "head 1 and head 3 of 4; query rows t0 and t4."
+        "head 0 and head 2 of 4 heads; query rows t0 and t4."
     )
-    assert t2.meta["description"].endswith("head 1 and head 3 of 4; query rows cat and the#3.")
+    assert t2.meta["description"].endswith(
+        "head 0 and head 2 of 4 heads; query rows cat and the#3."
+    )
+
+
+def test_a_layer_input_is_not_called_token_embeddings() -> None:
+    """A block's attention reads what the layers before it (and its own norm) made of the
+    token embeddings: the trace of a model titles that step "Input of the layer" in every
+    format, and a worked example, which starts from the embeddings, keeps its title."""
+    model = TwoLayers(num_kv_heads=2)
+    with torch.no_grad(), qkv.tracing(model=model, queries=[-1]) as t:
+        model(torch.randn(1, 5, 16))
+    narrative = render.narrate(t)
+    firsts = [s.steps[0] for s in narrative.sections if s.title and s.title.endswith("Inputs")]
+    assert [view.name for view in firsts] == ["embeddings", "embeddings"]
+    assert {view.title for view in firsts} == {"Input of the layer"}
+    assert all("token embeddings" in view.meaning for view in firsts)  # what it is made of
+    for text in (render.text(t), render.markdown(t), render.latex(t), render.html(t)):
+        assert "Input of the layer" in text and "Token embeddings" not in text
+    example = qkv.examples.run(qkv.examples.builtin("i-love-statistics"))
+    assert "Step 1. Token embeddings" in render.text(example)

@@ -91,6 +91,17 @@ def test_from_torch_outputs_and_gradients(config: Config, with_masks: bool) -> N
     (out_q * upstream).sum().backward()
 
     close(out_q, out_t)
+    _same_gradients(theirs, ours, config, inputs_q, inputs_t)
+
+
+def _same_gradients(
+    theirs: torch.nn.MultiheadAttention,
+    ours: MultiHeadAttention,
+    config: Config,
+    inputs_q: list[torch.Tensor],
+    inputs_t: list[torch.Tensor],
+) -> None:
+    """The gradients of the inputs and of every weight agree (after a backward pass of each)."""
     for mine, theirs_input in zip(inputs_q, inputs_t, strict=True):
         close(mine.grad, theirs_input.grad)
     projections = (ours.q_proj, ours.k_proj, ours.v_proj)
@@ -111,6 +122,45 @@ def test_from_torch_outputs_and_gradients(config: Config, with_masks: bool) -> N
         assert theirs.bias_k is not None and theirs.bias_v is not None
         close(ours.bias_k.grad, theirs.bias_k.grad)
         close(ours.bias_v.grad, theirs.bias_v.grad)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+def test_a_float_mask_is_added_to_the_scores_as_torch_adds_it(config: Config) -> None:
+    """torch.nn.MultiheadAttention takes a float attn_mask and adds it to the scaled scores
+    (torch's test_nn.py::test_multihead_attn_3d_attn_mask and the float-mask cases of
+    test_multihead_attention); qkv.nn takes the same tensor as ``mask=``, with key padding
+    and the extra key rows of add_bias_kv / add_zero_attn (which get a bias of 0)."""
+    theirs, ours = _pair(config)
+    b, lq, lk = 2, 5, 6
+    g = torch.Generator().manual_seed(7)
+    query = torch.randn(b, lq, 12, generator=g)
+    key = torch.randn(b, lk, config.kdim or 12, generator=g)
+    value = torch.randn(b, lk, config.vdim or 12, generator=g)
+    additive = 2 * torch.randn(lq, lk, generator=g)  # any real numbers, and −inf
+    additive[torch.rand(lq, lk, generator=g) < 0.3] = -torch.inf
+    additive[:, 0] = 0.5  # every query keeps a key
+    key_padding = torch.zeros(b, lk)
+    key_padding[1, lk - 2 :] = -torch.inf  # the last two keys of element 1 are padding
+    upstream = torch.randn(b, lq, 12, generator=g)
+
+    inputs_t = [t.clone().requires_grad_() for t in (query, key, value)]
+    out_t, _ = theirs(*inputs_t, attn_mask=additive, key_padding_mask=key_padding,
+                      need_weights=False)  # fmt: skip
+    (out_t * upstream).sum().backward()
+    inputs_q = [t.clone().requires_grad_() for t in (query, key, value)]
+    out_q = ours(*inputs_q, mask=additive, key_padding_lengths=[lk, lk - 2])
+    (out_q * upstream).sum().backward()
+
+    close(out_q, out_t)
+    _same_gradients(theirs, ours, config, inputs_q, inputs_t)
+    with torch.no_grad():  # per head, (B·H, Lq, Lk) in torch, (B, H, Lq, Lk) in qkv
+        per_head = torch.randn(b * 3, lq, lk, generator=g)
+        expected, weights_t = theirs(query, key, value, attn_mask=per_head,
+                                     average_attn_weights=False)  # fmt: skip
+        got, weights_q = ours(query, key, value, mask=per_head.view(b, 3, lq, lk),
+                              need_weights=True)  # fmt: skip
+    close(got, expected)
+    close(weights_q, weights_t)
 
 
 @pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[4]], ids=["plain", "all-options"])
@@ -334,8 +384,9 @@ def test_forward_errors() -> None:
         self_attn(x, mask=torch.ones(2, 3, 3, dtype=torch.bool))
     with pytest.raises(TypeError, match=r"mask must be a boolean tensor .* got list"):
         self_attn(x, mask=[[True]])
-    with pytest.raises(TypeError, match=r"mask must be boolean \(True = may attend\)"):
-        self_attn(x, mask=torch.ones(3, 3))
+    with pytest.raises(TypeError, match=r"mask must be boolean \(True = may attend\) or "
+                       r"floating point .* got torch.int64\. Hint: .*mask.bool\(\)"):  # fmt: skip
+        self_attn(x, mask=torch.ones(3, 3, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"key_padding_lengths must be 2 integers .* got "
                        r"torch.float32 of shape \(2,\)"):  # fmt: skip
         self_attn(x, key_padding_lengths=torch.tensor([1.0, 2.0]))

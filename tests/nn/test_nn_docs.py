@@ -48,3 +48,23 @@ def test_benchmark_script_runs_and_prints_ratios(
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("| L | forward torch (ms)") and len(lines) == 4
     assert lines[2].startswith("| 8 |") and lines[3].startswith("| 16 |")
+
+
+def test_benchmark_script_compares_compiled_models(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--compile``: qkv's and torch's models, eager and compiled (fullgraph), in one run
+    (aot_eager here: inductor's C++ compilation takes minutes on a test machine)."""
+    spec = importlib.util.spec_from_file_location("bench_mha", ROOT / "benchmarks" / "bench_mha.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_mha", bench)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--compile", "--lengths", "8", "--repeats", "1", "--embed-dim", "16",
+                       "--heads", "2", "--backend", "aot_eager"]) == 0  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| L | mode | torch (ms) | torch compiled (ms) | qkv (ms)")
+    assert [line.split("|")[1:3] for line in lines[2:]] == [
+        [" 8 ", " forward "],
+        [" 8 ", " fwd+bwd "],
+    ]

@@ -41,7 +41,7 @@ def test_png_has_one_panel_per_head_and_the_expected_size(tmp_path: Path) -> Non
     assert width > height > 200  # two panels side by side
     assert (pixels < 100).all(axis=-1).any()  # dark cells: 0.40 is the darkest weight
     panels = [ax for ax in figure.axes if ax.get_gid()]
-    assert [ax.get_title() for ax in panels] == ["head 1", "head 2"]
+    assert [ax.get_title() for ax in panels] == ["head 0", "head 1"]
     shown = np.asarray(panels[0].get_images()[0].get_array())
     np.testing.assert_allclose(shown, trace["weights"].value[0])
 
@@ -107,7 +107,7 @@ def test_several_layers_give_one_row_each_and_a_layer_can_be_chosen(tmp_path: Pa
     render.heatmap(trace, tmp_path / "all.svg")
     svg = (tmp_path / "all.svg").read_text(encoding="utf-8")
     assert panels_in_svg(svg) == [f"qkv-panel-{r}-{c}" for r in (1, 2) for c in (1, 2)]
-    assert "blocks.1.attn, head 2" in svg_texts(svg)
+    assert "blocks.1.attn, head 1" in svg_texts(svg)
     one = render.heatmap(trace, layer="blocks.1.attn", heads=[1])
     (panel,) = [ax for ax in one.axes if ax.get_gid()]
     np.testing.assert_allclose(

@@ -108,7 +108,7 @@ def test_every_head_has_its_own_matrices() -> None:
     trace = examples.run(examples.builtin("two-heads"))
     (call,) = page_data(trace)["calls"]
     assert [s["head"] for s in call["sections"]] == [None, 0, 1, None]
-    assert [s["title"] for s in call["sections"]][1] == "Head 1 of 2"
+    assert [s["title"] for s in call["sections"]][1] == "Head 0 of 2 heads"
     for head in (0, 1):
         shown = matrix(steps_of(call, head)["weights"])
         np.testing.assert_allclose(shown, trace["weights"].value[head], rtol=1e-6)
@@ -154,7 +154,7 @@ def test_calls_without_a_layer_name_are_numbered() -> None:
     with qkv.tracing() as trace:
         qkv.self_attention(np.eye(2), np.eye(2), np.eye(2), np.eye(2))
         qkv.self_attention(np.eye(2), np.eye(2), np.eye(2), np.eye(2))
-    assert [c["name"] for c in page_data(trace)["calls"]] == ["call 1", "call 2"]
+    assert [c["name"] for c in page_data(trace)["calls"]] == ["call 0", "call 1"]
 
 
 def test_keep_only_some_steps_and_a_limit_on_size() -> None:

@@ -45,7 +45,7 @@ def test_a_map_per_layer_and_head_with_its_strongest_key() -> None:
     assert [len(row["heads"]) for row in view["rows"]] == [4, 4, 4]
     entry = view["rows"][2]["heads"][1]
     weights = trace.calls[2]["weights"].value[1]
-    assert entry["title"] == "Head 2 of 4"
+    assert entry["title"] == "Head 1 of 4 heads"
     assert entry["top"] == [[int(np.argmax(r)), round(float(r.max()), 6)] for r in weights]
     drawn = pixels(entry)
     assert drawn.shape == (5, 5) and drawn.max() == 255
@@ -88,8 +88,8 @@ def test_heads_chosen_by_a_selection_keep_their_numbers() -> None:
     trace.meta["selected"] = {"layer": "b.attn", "head": 3}
     view = page_data(trace)["modelView"]
     assert [entry["title"] for entry in view["rows"][0]["heads"]] == [
-        "Head 2 of 4",
-        "Head 4 of 4",
+        "Head 1 of 4 heads",
+        "Head 3 of 4 heads",
     ]
     assert view["start"] == {"call": 1, "head": 1}
 

@@ -80,7 +80,7 @@ def build_trace(
     rec("context", context, (*lead, "query", "dim"), "C = A·V")
     if heads > 1 or w_o is not None:
         concat = context if heads == 1 else context.transpose(1, 0, 2).reshape(length, -1)
-        rec("concat", concat, ("query", "feature"), "concat(C_1, …, C_h)")
+        rec("concat", concat, ("query", "feature"), "concat(C_0, …, C_{h−1})")
         if w_o is not None:
             rec("W_o", w_o, ("feature", "model"), "W_o")
             rec("output", concat @ w_o, ("query", "model"), "O = concat·W_o")
@@ -229,7 +229,7 @@ def test_text_fits_80_columns(tokens: int, d: int, heads: int) -> None:
     out = render.text(t, precision=6)
     assert_fits(out)
     assert "columns 1–" in out  # the wide tables were split, not squeezed
-    assert "…" not in out.replace("C_1, …, C_h", "")  # no number was cut
+    assert "…" not in out.replace("C_0, …, C_{h−1}", "")  # no number was cut
 
 
 def test_text_fits_a_narrower_width() -> None:
@@ -272,12 +272,12 @@ def test_multi_head_has_a_section_per_head_then_the_combination() -> None:
     t = wide_trace(4, 2, 2, causal=False)
     out = render.text(t)
     sections = [line.strip("═ ") for line in out.splitlines() if line.startswith("═")]
-    assert sections == ["Inputs", "Head 1 of 2", "Head 2 of 2", "Combining the heads"]
-    head2 = out.split("Head 2 of 2")[1].split("Combining the heads")[0]
-    context = t["context"].value[1]  # head 2, shown with head 2's own numbers
+    assert sections == ["Inputs", "Head 0 of 2 heads", "Head 1 of 2 heads", "Combining the heads"]
+    head2 = out.split("Head 1 of 2 heads")[1].split("Combining the heads")[0]
+    context = t["context"].value[1]  # head 1, shown with head 1's own numbers
     assert f"{context[0, 0]:.4f}" in head2
     assert "Step 12. Concatenated context vectors" in out
-    assert "h2.d1" in out  # the heads' columns are labelled in W_q and concat
+    assert "h1.d1" in out  # the heads' columns are labelled in W_q and concat
 
 
 def test_multi_head_numbers_come_from_each_head() -> None:
@@ -300,7 +300,7 @@ def test_grouped_query_attention_uses_the_shared_key_value_head() -> None:
         )  # fmt: skip
     n = render.narrate(t)
     titles = [s.title for s in n.sections]
-    assert "Head 2 of 2 (key/value head 1 of 1)" in titles
+    assert "Head 1 of 2 heads (key/value head 0 of 1)" in titles
     out = render.text(t)
     assert "multi-query attention" in out
     assert out.count("c_t0 = ") == 2  # the weighted sums are true in both heads
@@ -329,8 +329,8 @@ def test_a_trace_of_several_calls_gets_a_section_per_call() -> None:
         qkv.scaled_dot_product_attention(q, q, q)
         qkv.scaled_dot_product_attention(q[0], q[0], q[0], scale=0.5)
     out = render.text(t)
-    assert "Call 1 of 2, batch 1 of 2" in out and "Call 2 of 2" in out
-    assert "S'[t0, t0] = " in out  # the custom scale of call 2, worked out
+    assert "Call 0 of 2 calls, batch element 0 of 2" in out and "Call 1 of 2 calls" in out
+    assert "S'[t0, t0] = " in out  # the custom scale of call 1, worked out
     assert_fits(out)
 
 
@@ -403,7 +403,7 @@ def test_markdown_escapes_tokens() -> None:
 def test_markdown_masked_scores_and_heads() -> None:
     md = render.markdown(wide_trace(3, 2, 2))
     assert "−∞" in md
-    assert "## Head 1 of 2" in md and "### Step 8. Attention scores" in md
+    assert "## Head 0 of 2 heads" in md and "### Step 8. Attention scores" in md
 
 
 # -- LaTeX -------------------------------------------------------------------------------------

@@ -63,13 +63,13 @@ def test_a_call_with_a_bias_and_a_score_modifier_is_shown_as_one_call() -> None:
     t, weights = biased_softcap_trace()
     assert len(t.calls) == 1 and t.names.count("bias") == 2
     narrative = render.narrate(t)
-    # one call: sections titled by head only, no "Call 1 of 2"
-    assert [s.title for s in narrative.sections] == ["Head 1 of 2", "Head 2 of 2"]
+    # one call: sections titled by head only, no "Call 0 of 2 calls"
+    assert [s.title for s in narrative.sections] == ["Head 0 of 2 heads", "Head 1 of 2 heads"]
     assert step_numbers(narrative) == list(
         enumerate(["Q", "K", "V", "scores", "scaled", "bias", "bias", "weights", "context"], 1)
     )
     text = render.text(t)
-    assert "Call 1 of" not in text and "Call 2 of" not in text
+    assert "Call 0 of" not in text and "Call 1 of" not in text
     assert "Step 7. " in text and "S' = softcap(5.0)(S')" in text
     # the weights shown are those of the whole call, as computed in float64
     for head, section in enumerate(narrative.sections):
@@ -80,7 +80,7 @@ def test_a_call_with_a_bias_and_a_score_modifier_is_shown_as_one_call() -> None:
 def test_the_page_and_the_heatmap_of_that_call_show_one_call(tmp_path: Path) -> None:
     t, weights = biased_softcap_trace()
     data = data_of(render.html(t))
-    assert [c["name"] for c in data["calls"]] == ["call 1"]
+    assert [c["name"] for c in data["calls"]] == ["call 0"]
     (call,) = data["calls"]
     numbers = [
         (step["number"], step["name"], step["formula"])
@@ -93,7 +93,7 @@ def test_the_page_and_the_heatmap_of_that_call_show_one_call(tmp_path: Path) -> 
     np.testing.assert_allclose(raw, weights[1], rtol=1e-6)
     figure = render.heatmap(t, tmp_path / "w.svg")
     titles = [ax.get_title() for ax in figure.axes if ax.get_title()]
-    assert titles == ["head 1", "head 2"]  # one call: no "call 1, ..." / "call 2, ..." rows
+    assert titles == ["head 0", "head 1"]  # one call: no "call 0, ..." / "call 1, ..." rows
 
 
 @settings(max_examples=25, deadline=None)
@@ -107,7 +107,7 @@ def test_sections_follow_the_recorded_calls(
     bias: bool, softcap: bool, causal: bool, calls: int
 ) -> None:
     """However the calls are made, the narrative has one group of sections per recorded call,
-    and each call's steps are numbered 1, 2, ... in the order they ran."""
+    and each call's steps are numbered 1, 2, ... in the order they ran (the calls from 0)."""
     rng = np.random.default_rng(1)
     q = rng.normal(size=(3, 4))
     with qkv.tracing() as t:
@@ -125,7 +125,7 @@ def test_sections_follow_the_recorded_calls(
     assert len(narrative.sections) == calls
     for index, (section, call) in enumerate(zip(narrative.sections, t.calls, strict=True)):
         if calls > 1:
-            assert section.title == f"Call {index + 1} of {calls}"
+            assert section.title == f"Call {index} of {calls} calls"
         assert [(v.number, v.name) for v in section.steps] == list(enumerate(call.names, 1))
 
 
@@ -164,8 +164,8 @@ def test_html_page_is_exported() -> None:
 def test_the_header_names_recorded_heads_and_rows_as_titles_and_tables_do(
     heads: list[int], queries: list[int], tokens: bool
 ) -> None:
-    """``heads: 4; recorded: head 2 and head 4`` names the heads as the section titles do
-    (``Head 2 of 4``) and ``queries: recorded: rows the#0 and mat`` the rows as the tables
+    """``heads: 4; recorded: head 1 and head 3`` names the heads as the section titles do
+    (``Head 1 of 4 heads``) and ``queries: recorded: rows the#0 and mat`` the rows as the tables
     label them; no "numbered from" in any format."""
     rng = np.random.default_rng(3)
     q = rng.normal(size=(1, 4, 6, 4))
@@ -175,13 +175,13 @@ def test_the_header_names_recorded_heads_and_rows_as_titles_and_tables_do(
         t.tokens = list(TOKENS)
     narrative = render.narrate(t)
     facts = {fact.label: fact.plain for fact in narrative.facts}
-    named = [f"head {h + 1}" for h in heads]  # in the order they were selected
+    named = [f"head {h}" for h in heads]  # in the order they were selected
     listed = named[0] if len(named) == 1 else ", ".join(named[:-1]) + " and " + named[-1]
     if heads == [0, 1, 2, 3]:  # every head, in order: shown as without a selection
         assert facts["heads"] == "4"
     else:
         assert facts["heads"] == f"4; recorded: {listed}"
-    assert [s.title for s in narrative.sections] == [f"Head {h + 1} of 4" for h in heads]
+    assert [s.title for s in narrative.sections] == [f"Head {h} of 4 heads" for h in heads]
     weights = next(v.table for v in narrative.sections[0].steps if v.name == "weights")
     assert weights is not None
     rows = list(weights.rows)

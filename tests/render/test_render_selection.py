@@ -34,7 +34,7 @@ SVG_TEXT = "{http://www.w3.org/2000/svg}text"
 
 def gqa_weights(seed: int = 0) -> tuple[np.ndarray, ...]:
     """x (5, 8) and W_q (8, 8), W_k, W_v (8, 4), W_o (8, 8): 4 heads of d_k = 2 sharing
-    2 key/value heads (heads 1, 2 use key/value head 1; heads 3, 4 use 2)."""
+    2 key/value heads (heads 0, 1 use key/value head 0; heads 2, 3 use 1)."""
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(5, 8))
     return (
@@ -93,11 +93,11 @@ def test_selected_heads_and_query_are_titled_and_labelled_by_their_original_numb
     selected = gqa_trace(heads=[2, 3], queries=[-1])
     assert selected["weights"].index == {"head": [2, 3], "query": [4]}
     text = render.text(selected, width=80)
-    assert "Head 3 of 4 (key/value head 2 of 2)" in text
-    assert "Head 4 of 4 (key/value head 2 of 2)" in text
-    assert "Head 1 of" not in text and "Head 2 of" not in text
+    assert "Head 2 of 4 heads (key/value head 1 of 2)" in text
+    assert "Head 3 of 4 heads (key/value head 1 of 2)" in text
+    assert "Head 0 of" not in text and "Head 1 of" not in text
     words = " ".join(text.split())  # the header wraps at 80 columns
-    assert "4 (2 key/value heads: grouped-query attention); recorded: head 3 and head 4" in words
+    assert "4 (2 key/value heads: grouped-query attention); recorded: head 2 and head 3" in words
     assert "queries  recorded: rows the#4" in text
     # the kept query is the 5th token ("the" at position 4), never the 1st one
     assert "\nthe#4 " in text and "c_the#4 = " in text and "q_the#4·k_the#0 = " in text
@@ -107,7 +107,10 @@ def test_selected_heads_and_query_are_titled_and_labelled_by_their_original_numb
 def test_selected_sections_hold_the_numbers_of_those_heads_and_rows() -> None:
     whole = render.narrate(gqa_trace())
     selected = render.narrate(gqa_trace(heads=[2, 3], queries=[-1]))
-    for title in ("Head 3 of 4 (key/value head 2 of 2)", "Head 4 of 4 (key/value head 2 of 2)"):
+    for title in (
+        "Head 2 of 4 heads (key/value head 1 of 2)",
+        "Head 3 of 4 heads (key/value head 1 of 2)",
+    ):
         mine, theirs = section(selected, title), section(whole, title)
         for name in ("Q", "scores", "scaled", "weights", "context"):
             assert mine[name].rows == ("the#4",)
@@ -116,20 +119,20 @@ def test_selected_sections_hold_the_numbers_of_those_heads_and_rows() -> None:
             assert mine[name].rows == theirs[name].rows == ("the#0", "cat", "sat", "on", "the#4")
             np.testing.assert_allclose(mine[name].values, theirs[name].values)
     mine, theirs = section(selected, "Combining the heads"), section(whole, "Combining the heads")
-    # every head's columns are in concat and W_q, named by head: h3.d1 is head 3's first one
+    # every head's columns are in concat and W_q, named by head: h2.d1 is head 2's first one
     assert mine["concat"].columns == theirs["concat"].columns
-    assert mine["concat"].columns[4:6] == ("h3.d1", "h3.d2")
+    assert mine["concat"].columns[4:6] == ("h2.d1", "h2.d2")
     assert_same_row(mine["concat"], theirs["concat"], "the#4")
     inputs = section(selected, "Inputs")
     assert inputs["W_q"].columns == section(whole, "Inputs")["W_q"].columns
-    assert inputs["W_q"].columns[-2:] == ("h4.d1", "h4.d2")
+    assert inputs["W_q"].columns[-2:] == ("h3.d1", "h3.d2")
 
 
 def test_worked_lines_of_a_selected_trace_are_those_of_the_whole_trace() -> None:
     whole_trace = gqa_trace()
     whole_trace.meta["queries"] = [4]  # the whole trace, showing and working out query 4
     whole, selected = render.narrate(whole_trace), render.narrate(gqa_trace([3], [-1]))
-    title = "Head 4 of 4 (key/value head 2 of 2)"
+    title = "Head 3 of 4 heads (key/value head 1 of 2)"
 
     def lines(narrative: Narrative) -> dict[str, list[str]]:
         return {
@@ -148,8 +151,8 @@ def test_worked_lines_of_a_selected_trace_are_those_of_the_whole_trace() -> None
 def test_a_single_selected_head_gets_its_own_section() -> None:
     text = render.text(gqa_trace(heads=[1], queries=[0, -1]), width=100)
     assert "Inputs" in text and "Combining the heads" in text
-    assert "Head 2 of 4 (key/value head 1 of 2)" in text
-    assert "recorded: head 2" in text
+    assert "Head 1 of 4 heads (key/value head 0 of 2)" in text
+    assert "recorded: head 1" in text
     assert "recorded: rows the#0 and the#4" in text
 
 
@@ -171,17 +174,17 @@ def test_every_head_of_a_gqa_trace_keeps_its_grouping_remark() -> None:
     traces = [gqa_trace(), gqa_trace(heads=[0, 1, 2, 3])]
     assert traces[1]["K"].index == {"kv_head": [0, 0, 1, 1]}
     assert render.text(traces[1]) == render.text(traces[0])
-    assert "Head 3 of 4 (key/value head 2 of 2)" in render.text(traces[0])
+    assert "Head 2 of 4 heads (key/value head 1 of 2)" in render.text(traces[0])
 
 
 def test_markdown_and_latex_use_the_original_numbers() -> None:
     selected = gqa_trace(heads=[2], queries=[-1])
     markdown = render.markdown(selected)
-    assert "Head 3 of 4 (key/value head 2 of 2)" in markdown
+    assert "Head 2 of 4 heads (key/value head 1 of 2)" in markdown
     assert re.search(r"^\| the#4 \|", markdown, re.M)
     assert "c_the#4 = " in markdown or "c_{\\text{the\\#4}}" in markdown
     latex = render.latex(selected)
-    assert "Head 3 of 4 (key/value head 2 of 2)" in latex
+    assert "Head 2 of 4 heads (key/value head 1 of 2)" in latex
     assert r"c_{\text{the\#4}}" in latex
     assert r"\text{the\#0}" not in latex.split("Attention scores")[1].split("&")[0]
 
@@ -240,7 +243,7 @@ def test_any_selection_shows_the_numbers_its_labels_name(
         narratives.append(render.narrate(t))
     whole, selected = narratives
     titles = [s.title for s in selected.sections if s.title and s.title.startswith("Head")]
-    assert [int(t.split()[1]) - 1 for t in titles] == picks  # in the order asked for
+    assert [int(t.split()[1]) for t in titles] == picks  # in the order asked for
     for title in titles:
         mine, theirs = section(selected, title), section(whole, title)
         assert mine["weights"].rows == tuple("abcde"[r] for r in rows)
@@ -250,7 +253,7 @@ def test_any_selection_shows_the_numbers_its_labels_name(
         np.testing.assert_allclose(mine["V"].values, theirs["V"].values)
 
 
-def test_a_trace_built_by_hand_names_query_99_of_100_and_head_6() -> None:
+def test_a_trace_built_by_hand_names_query_99_of_100_and_head_5() -> None:
     rng = np.random.default_rng(1)
     weights = rng.dirichlet(np.ones(100), size=(1, 1))  # (head, query, key)
     tokens = [f"w{i}" for i in range(100)]
@@ -261,13 +264,13 @@ def test_a_trace_built_by_hand_names_query_99_of_100_and_head_6() -> None:
     )  # fmt: skip
     narrative = render.narrate(trace)
     (head,) = [s for s in narrative.sections if s.title]
-    assert head.title == "Head 6 of 8"
+    assert head.title == "Head 5 of 8 heads"
     table = head.steps[0].table
     assert table is not None and table.rows == ("w99",) and table.columns[0] == "w0"
-    assert "recorded: head 6" in render.text(trace)
-    # without the number of heads, the head is still head 6
+    assert "recorded: head 5" in render.text(trace)
+    # without the number of heads, the head is still head 5
     trace.meta = {}
-    assert [s.title for s in render.narrate(trace).sections if s.title] == ["Head 6"]
+    assert [s.title for s in render.narrate(trace).sections if s.title] == ["Head 5"]
 
 
 # -- pictures: heatmap and HTML page ----------------------------------------------------------
@@ -278,18 +281,18 @@ def test_heatmap_titles_heads_and_labels_rows_by_their_original_numbers(tmp_path
     path = tmp_path / "weights.svg"
     figure = render.heatmap(selected, path)
     panels = [ax for ax in figure.axes if ax.get_gid()]
-    assert [ax.get_title() for ax in panels] == ["head 3", "head 4"]
+    assert [ax.get_title() for ax in panels] == ["head 2", "head 3"]
     for ax in panels:
         assert [t.get_text() for t in ax.get_yticklabels()] == ["the#0", "the#4"]
         assert [t.get_text() for t in ax.get_xticklabels()] == [
             "the#0", "cat", "sat", "on", "the#4"
         ]  # fmt: skip
     texts = svg_texts(path)
-    assert "head 3" in texts and "head 4" in texts
-    assert "head 1" not in texts and "head 2" not in texts
+    assert "head 2" in texts and "head 3" in texts
+    assert "head 0" not in texts and "head 1" not in texts
     # heads= names the recorded heads by their original numbers, as tracing(heads=...) did
     one = render.heatmap(selected, heads=[3])
-    assert [ax.get_title() for ax in one.axes if ax.get_gid()] == ["head 4"]
+    assert [ax.get_title() for ax in one.axes if ax.get_gid()] == ["head 3"]
     with pytest.raises(ValueError, match=r"heads: 0 is not a head of this trace; it recorded "
                        r"heads 2, 3 \(0-based\)"):  # fmt: skip
         render.heatmap(selected, heads=[0])
@@ -305,9 +308,9 @@ def test_heatmap_of_a_selected_row_of_a_long_sequence_names_its_token(tmp_path: 
     path = tmp_path / "long.svg"
     figure = render.heatmap(trace, path)
     (ax,) = [ax for ax in figure.axes if ax.get_gid()]
-    assert ax.get_title() == "head 6"
+    assert ax.get_title() == "head 5"
     assert [t.get_text() for t in ax.get_yticklabels()] == ["w99"]
-    assert "w99" in svg_texts(path) and "head 6" in svg_texts(path)
+    assert "w99" in svg_texts(path) and "head 5" in svg_texts(path)
 
 
 def test_html_page_selector_rows_and_query_menu_use_the_original_numbers() -> None:
@@ -316,8 +319,8 @@ def test_html_page_selector_rows_and_query_menu_use_the_original_numbers() -> No
     (call,) = data["calls"]
     heads = [(s["title"], s["head"]) for s in call["sections"] if s["head"] is not None]
     assert heads == [
-        ("Head 3 of 4 (key/value head 2 of 2)", 0),  # the page selects by position
-        ("Head 4 of 4 (key/value head 2 of 2)", 1),
+        ("Head 2 of 4 heads (key/value head 1 of 2)", 0),  # the page selects by position
+        ("Head 3 of 4 heads (key/value head 1 of 2)", 1),
     ]
     for s in call["sections"]:
         for step in s["steps"]:
@@ -326,7 +329,7 @@ def test_html_page_selector_rows_and_query_menu_use_the_original_numbers() -> No
             if step.get("colAxis") == "key":
                 assert data["labels"][step["cols"]] == ["the#0", "cat", "sat", "on", "the#4"]
     facts = dict(call["facts"])
-    assert facts["heads"].endswith("recorded: head 3 and head 4")
+    assert facts["heads"].endswith("recorded: head 2 and head 3")
     assert facts["queries"] == "recorded: rows cat and the#4"
     # the query the page opens on: asked for by its original position, or by its token
     for wanted in ([4], ["the#4"], [-1]):
@@ -367,7 +370,7 @@ def model_traces() -> tuple[Trace, Trace]:
 def test_a_selected_model_trace_shows_the_heads_and_rows_it_recorded() -> None:
     whole, selected = model_traces()
     assert selected["weights"].index == {"head": [2], "query": [1, 5]}
-    title = "Head 3 of 4 (key/value head 2 of 2)"
+    title = "Head 2 of 4 heads (key/value head 1 of 2)"
     mine, theirs = section(render.narrate(selected), title), section(render.narrate(whole), title)
     assert mine["weights"].rows == ("t1", "t5")
     for label in ("t1", "t5"):
@@ -388,8 +391,8 @@ def test_explain_trace_shows_the_original_heads_and_rows(
     assert main(["explain", "--trace", str(path), "-o", str(out)]) == 0
     text = out.read_text(encoding="utf-8")
     words = " ".join(text.split())  # facts wrap at 80 columns
-    assert "Head 3 of 4 (key/value head 2 of 2)" in text and "Head 1 of" not in text
-    assert "recorded: head 3" in words
+    assert "Head 2 of 4 heads (key/value head 1 of 2)" in text and "Head 0 of" not in text
+    assert "recorded: head 2" in words
     assert "queries recorded: rows t1 and t5" in words
     assert "c_t5 = " in text and "\nt5 " in text
     # --query picks a recorded row by its original position, or by its label
@@ -403,6 +406,6 @@ def test_explain_trace_shows_the_original_heads_and_rows(
     assert main(["explain", "--trace", str(path), "--html", str(page), "-o", str(out)]) == 0
     (call,) = data_of(page.read_text(encoding="utf-8"))["calls"]
     assert [s["title"] for s in call["sections"] if s["head"] is not None] == [
-        "Head 3 of 4 (key/value head 2 of 2)"
+        "Head 2 of 4 heads (key/value head 1 of 2)"
     ]
     capsys.readouterr()

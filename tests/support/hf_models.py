@@ -106,3 +106,34 @@ def eager_attentions(folder: Path, text: str) -> tuple[list[str], tuple[Any, ...
         out = run(input_ids=ids, output_attentions=True)
     tokens = [str(t) for t in tok.convert_ids_to_tokens(ids[0].tolist())]
     return tokens, tuple(out.attentions)
+
+
+def variant(
+    base: Path,
+    folder: Path,
+    *,
+    config: dict[str, Any] | None = None,
+    tokenizer_config: dict[str, Any] | None = None,
+    files: dict[str, str | bytes] | None = None,
+) -> Path:
+    """A copy of the saved model ``base`` in ``folder`` with keys of its ``config.json`` and
+    ``tokenizer_config.json`` changed (a value None removes the key) and ``files`` written
+    (text or bytes; an empty bytes value removes the file): a hostile or damaged folder."""
+    import json
+    import shutil
+
+    shutil.copytree(base, folder)
+    for name, changes in (("config.json", config), ("tokenizer_config.json", tokenizer_config)):
+        if changes:
+            data = json.loads((folder / name).read_text(encoding="utf-8"))
+            data.update(changes)
+            data = {key: value for key, value in data.items() if value is not None}
+            (folder / name).write_text(json.dumps(data), encoding="utf-8")
+    for name, content in (files or {}).items():
+        if content == b"":
+            (folder / name).unlink()
+        elif isinstance(content, bytes):
+            (folder / name).write_bytes(content)
+        else:
+            (folder / name).write_text(content, encoding="utf-8")
+    return folder

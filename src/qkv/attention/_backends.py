@@ -21,7 +21,24 @@ from qkv.attention._options import Call
 from qkv.attention._reference import attend
 from qkv.masks import Mask
 
-__all__ = ["BACKENDS", "DENSE_MASK_LIMIT", "MEMORY_FRACTION", "Backend", "Call", "on_cuda"]
+__all__ = [
+    "BACKENDS",
+    "DENSE_MASK_LIMIT",
+    "MEMORY_FRACTION",
+    "Backend",
+    "Call",
+    "four",
+    "four_mask",
+    "needs_grad",
+    "on_cuda",
+    "refusal_error",
+    "sdpa_checked",
+    "sdpa_output",
+    "sdpa_static_refusal",
+    "sdpa_trusted",
+    "three",
+    "tiled_refusal",
+]
 
 BackendName = Literal["auto", "reference", "sdpa", "tiled", "flex"]
 
@@ -88,6 +105,19 @@ def _common_refusal(call: Call, what: str) -> str | None:
 
 
 def _sdpa_refusal(call: Call, auto: bool) -> str | None:
+    why = sdpa_static_refusal(call, auto)
+    if why is None and _huge_bias_with_grad(call):
+        return (
+            "a bias beyond ±65536 (such as finfo.min for blocked keys) and a gradient: "
+            "torch's backward is wrong on rows whose keys are all blocked"
+        )
+    return why
+
+
+def sdpa_static_refusal(call: Call, auto: bool) -> str | None:
+    """Why sdpa refuses ``call``, from its shapes, dtypes and options alone (no value is
+    read): what ``torch.compile`` decides on. The one refusal that reads values, a huge
+    bias with a gradient, is :func:`sdpa_trusted`'s to catch there."""
     common = _common_refusal(call, "torch's fused kernel")
     if common is not None:
         return common
@@ -101,32 +131,37 @@ def _sdpa_refusal(call: Call, auto: bool) -> str | None:
     bias = options.bias
     if bias is not None and getattr(bias, "requires_grad", False):
         return "a bias that needs a gradient"
-    if bias is not None and _needs_grad(call):
-        from qkv.kernels import huge_bias
-
-        if huge_bias(bias):
-            return (
-                "a bias beyond ±65536 (such as finfo.min for blocked keys) and a gradient: "
-                "torch's backward is wrong on rows whose keys are all blocked"
-            )
+    if not auto:
+        return None
     from qkv.kernels import dense_mask_elements
 
-    q4, k4 = _four(call.query, call.lead), _four(call.key, call.lead)
+    q4, k4 = four(call.query, call.lead), four(call.key, call.lead)
     elements = dense_mask_elements(
         tuple(q4.shape),
         tuple(k4.shape),
-        mask=_four_mask(options.mask, call),
-        bias=_four_mask(bias, call),
+        mask=four_mask(options.mask, call),
+        bias=four_mask(bias, call),
         is_causal=options.is_causal,
         causal_alignment=options.causal_alignment,
     )
-    if auto and elements > DENSE_MASK_LIMIT:
+    if elements > DENSE_MASK_LIMIT:
         kind = "mask and bias" if bias is not None else "mask"
         return f"would need a dense {kind} array of {elements:,} elements"
     return None
 
 
-def _needs_grad(call: Call) -> bool:
+def _huge_bias_with_grad(call: Call) -> bool:
+    """A bias beyond ±65536 while a gradient is wanted (reads the bias: one reduction)."""
+    bias = call.options.bias
+    if bias is None or not needs_grad(call):
+        return False
+    from qkv.kernels import huge_bias
+
+    return bool(huge_bias(bias))
+
+
+def needs_grad(call: Call) -> bool:
+    """Whether autograd records and query, key or value requires a gradient."""
     import torch
 
     return torch.is_grad_enabled() and any(
@@ -134,36 +169,66 @@ def _needs_grad(call: Call) -> bool:
     )
 
 
-def _run_sdpa(call: Call) -> tuple[Array, Array | None]:
+def sdpa_output(call: Call) -> Array:
+    """torch's fused kernel on the call, (B, H, Lq, Dv), unchecked: what :func:`_run_sdpa`
+    checks, and what a compiled graph runs (``_compiled.py``)."""
     from qkv.kernels import sdpa_attention
 
     options = call.options
-    out = sdpa_attention(
-        _four(call.query, call.lead),
-        _four(call.key, call.lead),
-        _four(call.value, call.lead),
-        mask=_four_mask(options.mask, call),
-        bias=_four_mask(options.bias, call),
+    out: Array = sdpa_attention(
+        four(call.query, call.lead),
+        four(call.key, call.lead),
+        four(call.value, call.lead),
+        mask=four_mask(options.mask, call),
+        bias=four_mask(options.bias, call),
         is_causal=options.is_causal,
         causal_alignment=options.causal_alignment,
         scale=options.scale,
+        nan_rows=not sdpa_checked(call),  # else the check redoes any call with a NaN
     )
-    if options.masked or options.bias is not None:
-        import torch
+    return out
 
-        # One reduction per tensor and one host sync: a sum is finite only when every entry
-        # is (a finite sum that overflows errs on the safe side: the tiled kernel redoes it).
-        sums = (out.sum(), call.query.sum(), call.key.sum())
-        if not bool(torch.isfinite(torch.stack(sums)).all()):
-            # torch lets a NaN or ±inf of a masked-out key reach every output (and its
-            # gradient), and gives zeros to a row whose scores are all NaN; redo the call with
-            # the tiled kernel, which keeps masked NaN out and lets live NaN through.
-            return _run_tiled(call)
-    return _three(out, call.lead), None
+
+def sdpa_checked(call: Call) -> bool:
+    """Whether sdpa's output needs :func:`sdpa_trusted`'s look (a mask or a bias: torch lets
+    a NaN or ±inf of a masked-out key reach the output)."""
+    return call.options.masked or call.options.bias is not None
+
+
+def sdpa_trusted(out: Array, call: Call, *, grad: bool) -> bool:
+    """Whether sdpa's output ``out`` is the call's result, else the tiled kernel must redo
+    the call (:func:`qkv.kernels._torch_sdpa.sdpa_trusted`: a NaN or ±inf of a masked-out
+    key, a huge bias with a gradient, ``grad``)."""
+    from qkv.kernels._torch_sdpa import sdpa_trusted as trusted
+
+    return trusted(out, call.query, call.key, call.options.bias, grad=grad)
+
+
+def _run_sdpa(call: Call) -> tuple[Array, Array | None]:
+    out = sdpa_output(call)
+    # torch lets a NaN or ±inf of a masked-out key reach every output (and its gradient), and
+    # gives zeros to a row whose scores are all NaN; the tiled kernel keeps masked NaN out and
+    # lets live NaN through. (A huge bias with a gradient was refused before: grad=False.)
+    if sdpa_checked(call) and not sdpa_trusted(out, call, grad=False):
+        return _run_tiled(call)
+    return three(out, call.lead), None
 
 
 def _tiled_refusal(call: Call, auto: bool) -> str | None:
+    return tiled_refusal(call)
+
+
+def tiled_refusal(call: Call) -> str | None:
+    """Why the tiled kernel refuses ``call`` (from its layout and options alone), or None."""
     return _common_refusal(call, "the tiled kernel")
+
+
+def refusal_error(requested: str, why: str) -> ValueError:
+    """The error of asking for a backend that cannot run the call."""
+    return ValueError(
+        f"backend={requested!r} cannot run this call: {why}. Hint: backend='auto' "
+        "picks one that can; qkv.explain_dispatch(...) shows why each is refused."
+    )
 
 
 def _run_tiled(call: Call) -> tuple[Array, Array | None]:
@@ -173,19 +238,19 @@ def _run_tiled(call: Call) -> tuple[Array, Array | None]:
     dense = options.dense_mask
     bias = options.bias
     out = run_tiled(
-        _four(call.query, call.lead),
-        _four(call.key, call.lead),
-        _four(call.value, call.lead),
+        four(call.query, call.lead),
+        four(call.key, call.lead),
+        four(call.value, call.lead),
         rule=options.rule,
-        dense_mask=None if dense is None else _four_mask(dense, call),
-        bias=None if bias is None else _four_mask(bias, call),
+        dense_mask=None if dense is None else four_mask(dense, call),
+        bias=None if bias is None else four_mask(bias, call),
         score_mod=options.score_mod,
         scale=options.scale_for(int(call.query.shape[-1])),
         dropout_p=options.dropout_p,
         seed=options.seed,
         sinks=options.sinks,
     )
-    return _three(out, call.lead), None
+    return three(out, call.lead), None
 
 
 def on_cuda(call: Call) -> bool:
@@ -216,7 +281,7 @@ def _flex_refusal(call: Call, auto: bool) -> str | None:
         return "a bias that needs a gradient"
     dtype = str(call.query.dtype).removeprefix("torch.")
     if not cuda:
-        if _needs_grad(call) or _sinks_need_grad(call):
+        if needs_grad(call) or _sinks_need_grad(call):
             return (
                 "a gradient on CPU: torch's FlexAttention has no CPU backward (the tiled "
                 "kernel and qkv.flex_attention have one)"
@@ -279,7 +344,7 @@ def _run_flex(call: Call) -> tuple[Array, Array | None]:
     from qkv.kernels._flex_masks import BLOCK_MASKS, run_flex
 
     options = call.options
-    q4, k4, v4 = (_four(x, call.lead) for x in (call.query, call.key, call.value))
+    q4, k4, v4 = (four(x, call.lead) for x in (call.query, call.key, call.value))
     batch, heads, q_len, d_k = (int(n) for n in q4.shape)
     kv_len = int(k4.shape[2])
     rule = options.rule
@@ -293,7 +358,7 @@ def _run_flex(call: Call) -> tuple[Array, Array | None]:
             kv_len=kv_len,
             device=q4.device,
         )
-    bias = _four_mask(options.bias, call)
+    bias = four_mask(options.bias, call)
     score_mod = BLOCK_MASKS.score_mod(
         options.score_mod, q_len, kv_len, bias, device=q4.device, dtype=q4.dtype
     )
@@ -320,7 +385,7 @@ def _run_flex(call: Call) -> tuple[Array, Array | None]:
         sums = (out.sum(), q4.sum(), k4.sum())
         if not bool(torch.isfinite(torch.stack(sums)).all()):
             return _run_tiled(call)
-    return _three(out, call.lead), None
+    return three(out, call.lead), None
 
 
 BACKENDS: dict[str, Backend] = {
@@ -381,7 +446,7 @@ def _size(n: float) -> str:
 # -- layouts -------------------------------------------------------------------------------
 
 
-def _four(x: Any, lead: tuple[str, ...]) -> Any:
+def four(x: Any, lead: tuple[str, ...]) -> Any:
     """(…lead, L, D) → (B, H, L, D), as a view."""
     if lead == ():
         return x[None, None]
@@ -392,8 +457,8 @@ def _four(x: Any, lead: tuple[str, ...]) -> Any:
     return x
 
 
-def _three(x: Any, lead: tuple[str, ...]) -> Any:
-    """(B, H, L, D) → the caller's layout (the inverse of :func:`_four`)."""
+def three(x: Any, lead: tuple[str, ...]) -> Any:
+    """(B, H, L, D) → the caller's layout (the inverse of :func:`four`)."""
     if lead == ():
         return x[0, 0]
     if lead == ("batch",):
@@ -403,10 +468,10 @@ def _three(x: Any, lead: tuple[str, ...]) -> Any:
     return x
 
 
-def _four_mask(x: Any, call: Call) -> Any:
+def four_mask(x: Any, call: Call) -> Any:
     """A mask or bias array broadcastable to (…lead, Lq, Lk) → to (B, H, Lq, Lk)."""
     if x is None or isinstance(x, Mask):
         return x
     ndim = len(call.lead) + 2
     x = x.reshape((1,) * (ndim - x.ndim) + tuple(x.shape))
-    return _four(x, call.lead)
+    return four(x, call.lead)

@@ -15,6 +15,8 @@ from qkv._array import (
     is_floating,
     library,
     namespace,
+    namespace_of,
+    same_place,
     shape_str,
 )
 from qkv.masks import Mask, check_alignment
@@ -39,7 +41,7 @@ def check_ndim(x: Array, name: str, *, at_least: int, layout: str) -> None:
 def check_same_dtype(arrays: Sequence[tuple[str, Array]]) -> None:
     first_name, first = arrays[0]
     for name, a in arrays[1:]:
-        if dtype_name(a) != dtype_name(first):
+        if a.dtype != first.dtype and dtype_name(a) != dtype_name(first):
             raise DtypeMismatchError(
                 f"{first_name} is {dtype_name(first)} but {name} is {dtype_name(a)}: query, key "
                 "and value must share one dtype. Hint: cast them to one dtype first."
@@ -48,14 +50,24 @@ def check_same_dtype(arrays: Sequence[tuple[str, Array]]) -> None:
 
 def qkv_arrays(
     query: Any, key: Any, value: Any, *, enable_gqa: bool
-) -> tuple[Any, Array, Array, Array]:
-    """(xp, query, key, value): the inputs as arrays of one library, their shapes checked."""
-    query, key, value = (
-        as_array(a, n) for a, n in ((query, "query"), (key, "key"), (value, "value"))
-    )
-    xp = namespace([("query", query), ("key", key), ("value", value)])
+) -> tuple[str, Any, Array, Array, Array]:
+    """(library, xp, query, key, value): the inputs as arrays of one library (named as
+    :func:`qkv._array.library` names it) and its namespace, their shapes checked. The one
+    place a call's library is looked up."""
+    kind = library(query)
+    if kind == "other" or library(key) != kind or library(value) != kind:
+        query, key, value = (
+            as_array(a, n) for a, n in ((query, "query"), (key, "key"), (value, "value"))
+        )
+        kind = library(query)
+        same_place("query", query, kind, "key", key)
+        same_place("query", query, kind, "value", value)
+    elif kind == "torch" and not (key.device == query.device == value.device):
+        same_place("query", query, kind, "key", key)
+        same_place("query", query, kind, "value", value)
+    xp = namespace([("query", query)]) if kind == "other" else namespace_of(kind)
     check_qkv(query, key, value, enable_gqa=enable_gqa)
-    return xp, query, key, value
+    return kind, xp, query, key, value
 
 
 def check_qkv(query: Array, key: Array, value: Array, *, enable_gqa: bool) -> None:
@@ -147,7 +159,11 @@ def check_broadcast(x: Array, name: str, target: Sequence[int], legend: str, hin
         )
 
 
-def check_mask(mask: Array | Mask | None, query: Array, scores_shape: Sequence[int]) -> None:
+def check_mask(
+    mask: Array | Mask | None, query: Array, kind: str, scores_shape: Sequence[int]
+) -> None:
+    """``mask``: None, a Mask rule, or booleans of the query's library ``kind`` and device
+    that broadcast to ``scores_shape``."""
     if mask is None or isinstance(mask, Mask):
         return
     if library(mask) == "other":
@@ -155,7 +171,7 @@ def check_mask(mask: Array | Mask | None, query: Array, scores_shape: Sequence[i
             f"mask must be a boolean array or a qkv.masks.Mask, got {type(mask).__name__}. "
             "Hint: build one with qkv.masks.causal(), key_padding(lengths), ..."
         )
-    namespace([("query", query), ("mask", mask)])  # same library and device
+    same_place("query", query, kind, "mask", mask)
     if not is_bool(mask):
         raise TypeError(
             f"mask must be boolean (True = may attend), got {dtype_name(mask)}. Hint: an "
@@ -171,10 +187,12 @@ def check_mask(mask: Array | Mask | None, query: Array, scores_shape: Sequence[i
     )
 
 
-def check_bias(bias: Array | None, query: Array, scores_shape: Sequence[int]) -> None:
+def check_bias(bias: Array | None, query: Array, kind: str, scores_shape: Sequence[int]) -> None:
+    """``bias``: None, or floats of the query's library and device that broadcast to
+    ``scores_shape``."""
     if bias is None:
         return
-    namespace([("query", query), ("bias", bias)])  # same library and device
+    same_place("query", query, kind, "bias", bias)
     check_floating(bias, "bias")
     check_broadcast(
         bias,
@@ -185,11 +203,11 @@ def check_bias(bias: Array | None, query: Array, scores_shape: Sequence[int]) ->
     )
 
 
-def check_sinks(sinks: Any, query: Array, heads: int) -> Array:
-    """``sinks``: per-head sink logits of shape (H,), floating, finite or −inf; returned as
-    an array of the query's library."""
+def check_sinks(sinks: Any, query: Array, kind: str, heads: int) -> Array:
+    """``sinks``: per-head sink logits of shape (H,), floating, of the query's library and
+    device; returned as an array. Their values are checked by :func:`check_sink_values`."""
     sinks = as_array(sinks, "sinks")
-    namespace([("query", query), ("sinks", sinks)])  # same library and device
+    same_place("query", query, kind, "sinks", sinks)
     if not is_floating(sinks):
         raise TypeError(
             f"sinks must have a floating-point dtype, got {dtype_name(sinks)}. Hint: one "
@@ -201,15 +219,19 @@ def check_sinks(sinks: Any, query: Array, heads: int) -> Array:
             f"{shape_str(sinks.shape)}. Hint: under grouped-query attention each query head "
             "has its own sink; a layout without a head axis has one."
         )
+    return sinks
+
+
+def check_sink_values(xp: Any, sinks: Array) -> None:
+    """The sink logits are finite or −inf. Reads the values (a host synchronisation on a
+    GPU); under ``torch.compile`` the tiled kernel's operator checks them when it runs."""
     values = sinks.detach() if hasattr(sinks, "detach") else sinks
-    xp = namespace([("sinks", values)])
     if bool(xp.any(xp.isnan(values) | (xp.isinf(values) & (values > 0)))):
         raise ValueError(
             "sinks must be finite or −inf (no sink), got NaN or +inf in "
             f"{shape_str(sinks.shape)} sinks. Hint: a sink of +inf would take every row's "
             "whole attention; check the parameter for a diverged update."
         )
-    return sinks
 
 
 def _legend(ndim: int) -> str:
@@ -223,7 +245,7 @@ def check_options(scale: Any, dropout_p: Any, causal_alignment: Any) -> None:
     check_scale(scale)
     if (
         isinstance(dropout_p, bool)
-        or not isinstance(dropout_p, int | float)
+        or not isinstance(dropout_p, (int, float))
         or not 0.0 <= dropout_p < 1.0
     ):
         raise ValueError(

@@ -16,13 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from qkv._array import Array, device, like_layout
+from qkv._array import Array, compiling, device, like_layout
 from qkv.attention import _backends
 from qkv.attention._backends import BACKENDS, BackendName
 from qkv.attention._long_trace import record_partial
 from qkv.attention._options import Call, Recorder, make_call
 from qkv.masks import Alignment, Mask, ScoreMod
-from qkv.trace import Trace
+from qkv.trace import Trace, blocks_open
 
 __all__ = [
     "BACKENDS",
@@ -101,10 +101,7 @@ def choose(call: Call, requested: str) -> str:
         )
     why = BACKENDS[requested].refusal(call, False)
     if why is not None:
-        raise ValueError(
-            f"backend={requested!r} cannot run this call: {why}. Hint: backend='auto' "
-            "picks one that can; qkv.explain_dispatch(...) shows why each is refused."
-        )
+        raise _backends.refusal_error(requested, why)
     return requested
 
 
@@ -188,12 +185,12 @@ def _sdpa_choice(call: Call) -> Any:
     from qkv.kernels._sdpa_choice import sdpa_kernel_choice, torch_mask_stand_in
 
     options = call.options
-    q4, k4, v4 = (_backends._four(x, call.lead) for x in (call.query, call.key, call.value))
+    q4, k4, v4 = (_backends.four(x, call.lead) for x in (call.query, call.key, call.value))
     attn_mask, is_causal = torch_mask_stand_in(
         q4,
         k4,
-        mask=_backends._four_mask(options.mask, call),
-        bias=_backends._four_mask(options.bias, call),
+        mask=_backends.four_mask(options.mask, call),
+        bias=_backends.four_mask(options.bias, call),
         is_causal=options.is_causal,
         alignment=options.causal_alignment,
     )
@@ -416,23 +413,28 @@ def scaled_dot_product_attention(
         >>> context
         array([[0.26894142, 0.73105858]])
     """
-    call = make_call(
-        query,
-        key,
-        value,
-        mask=mask,
-        bias=bias,
-        score_mod=score_mod,
-        is_causal=is_causal,
-        causal_alignment=causal_alignment,
-        scale=scale,
-        enable_gqa=enable_gqa,
-        dropout_p=dropout_p,
-        generator=generator,
-        sinks=sinks,
-        return_weights=return_weights,
-        trace=trace,
-    )
+    arguments = {
+        "mask": mask,
+        "bias": bias,
+        "score_mod": score_mod,
+        "is_causal": is_causal,
+        "causal_alignment": causal_alignment,
+        "scale": scale,
+        "enable_gqa": enable_gqa,
+        "dropout_p": dropout_p,
+        "generator": generator,
+        "sinks": sinks,
+        "return_weights": return_weights,
+        "trace": trace,
+        "backend": backend,
+    }
+    if (trace is not None or blocks_open()) and compiling():
+        # A trace is recorded in Python, outside the graph (a graph break, said by name).
+        from qkv.attention._compiled import run_eagerly
+
+        return run_eagerly(scaled_dot_product_attention, query, key, value, **arguments)
+    backend = arguments.pop("backend")
+    call = make_call(query, key, value, **arguments)
     context, weights = run_call(call, backend)
     context = like_layout(context, query)  # the query's memory layout, as torch's SDPA
     return (context, weights) if return_weights else context
@@ -452,6 +454,13 @@ def run_call(
     reference only the selected rows, in O(rows · Lk) memory instead of O(H · Lq · Lk).
     """
     call = positional_bias(call)
+    if call.torch and compiling():  # torch.compile traces this call: see _compiled.py
+        from qkv.attention._compiled import outside_graph, run_compiled
+
+        result = run_compiled(call, backend)
+        if result is not None:
+            return result
+        return outside_graph(_run_chosen, call, backend)  # type: ignore[no-any-return]
     if rows_only and backend == "auto" and _selects_part(call):
         fast = choose(replace(call, recorder=Recorder()), "auto")
         backend = backend if fast == "reference" else fast
@@ -461,6 +470,11 @@ def run_call(
     context, _ = BACKENDS[chosen].run(replace(call, recorder=Recorder()))
     record_partial(call, call.trace, context, backend=chosen)
     return context, None
+
+
+def _run_chosen(call: Call, backend: str) -> tuple[Array, Array | None]:
+    """The call on the backend chosen for it (no trace)."""
+    return BACKENDS[choose(call, backend)].run(call)
 
 
 def _selects_part(call: Call) -> bool:
@@ -484,8 +498,9 @@ def positional_bias(call: Call) -> Call:
 
     The bias array when it holds at most :data:`~qkv.attention._backends.DENSE_MASK_LIMIT`
     elements (PyTorch's fused kernel takes a bias, not a modifier) or when the reference
-    forms the (Lq, Lk) steps anyway (weights or a trace are asked for); beyond, the
-    modifier stays, and the tiled kernel computes the same numbers block by block.
+    forms the (Lq, Lk) steps anyway (weights or a trace are asked for), or under
+    ``torch.compile`` (a graph takes tensors, not modifiers); beyond, the modifier stays,
+    and the tiled kernel computes the same numbers block by block.
     """
     options = call.options
     modifier = options.score_mod
@@ -494,7 +509,7 @@ def positional_bias(call: Call) -> Call:
     heads = int(call.query.shape[-3]) if "head" in call.lead else 1
     q_len, kv_len = int(call.query.shape[-2]), int(call.key.shape[-2])
     small = heads * q_len * kv_len <= _backends.DENSE_MASK_LIMIT
-    if not (small or call.return_weights or call.trace is not None):
+    if not (small or call.return_weights or call.trace is not None or compiling()):
         return call
     table = modifier.as_bias(
         heads, q_len, kv_len, xp=call.xp, device=device(call.query), dtype=call.query.dtype

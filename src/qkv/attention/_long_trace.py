@@ -115,11 +115,10 @@ def _record_rows(call: Call, trace: Trace, positions: Positions, context: Array)
     sink = partial.meta.get("sink")
     if sink is not None:  # the share of the selected rows: say which, as the steps do
         sink["index"] = index
-    # The facts as the rows' own call gave them (num_heads counts the heads recorded), but
-    # the mask as the caller gave it, not cut to the rows.
-    facts = dict(partial.meta)
-    if options.mask is not None:
-        facts["mask"] = call_facts(call.query, call.key, call.value, lead, options)["mask"]
+    # The facts of the whole call (its own num_heads and num_kv_heads, its mask as the
+    # caller gave it), never of the rows recomputed here: which heads and rows those are is
+    # said by each step's ``index`` and the call's ``rows``.
+    facts = {**partial.meta, **call_facts(call.query, call.key, call.value, lead, options)}
     trace.end_call(**facts)
 
 

@@ -20,7 +20,7 @@ from functools import cached_property
 from types import MappingProxyType
 from typing import Any
 
-from qkv._array import Array, as_array, library
+from qkv._array import Array, as_array, compiling
 from qkv.attention import _checks
 from qkv.masks import Alignment, Mask, ScoreMod, draw_seed, with_causal
 from qkv.masks._scores import as_score_mod
@@ -44,7 +44,9 @@ class Options:
         scale: multiplies the scores; None means 1/√D (see :meth:`scale_for`).
         enable_gqa: H may be a multiple of Hkv.
         dropout_p: the probability of dropping a weight.
-        seed: the dropout seed, drawn once per call (None without dropout).
+        seed: the dropout seed, drawn once per call (None without dropout); under
+            ``torch.compile`` a one-element int64 tensor drawn inside the graph, which the
+            kernel reads when it runs.
         sinks: per-head sink logits, shape (H,) (one per query head), or None: each row's
             softmax gets one more term exp(sink_h) in its denominator, for a key whose value
             is 0, so the weights of a row sum to less than 1 (a −inf sink is no sink).
@@ -58,7 +60,7 @@ class Options:
     scale: float | None = None
     enable_gqa: bool = False
     dropout_p: float = 0.0
-    seed: int | None = None
+    seed: int | Array | None = None
     sinks: Array | None = None
 
     @cached_property
@@ -227,6 +229,7 @@ class Call:
     """One attention call, checked: what every backend receives.
 
     Attributes:
+        library: the inputs' library, ``"numpy"`` or ``"torch"`` (looked up once).
         xp: the array namespace of the inputs.
         query: (…lead, Lq, D). key: (…lead, Lk, D) with Hkv heads. value: (…lead, Lk, Dv).
         lead: the names of the axes before (L, D), e.g. ``("batch", "head")``.
@@ -235,6 +238,7 @@ class Call:
         recorder: where the steps go (:class:`Recorder`).
     """
 
+    library: str
     xp: Any
     query: Array
     key: Array
@@ -250,7 +254,7 @@ class Call:
 
     @property
     def torch(self) -> bool:
-        return library(self.query) == "torch"
+        return self.library == "torch"
 
     def scores_elements(self) -> int:
         """Elements of one (..., H, Lq, Lk) matrix."""
@@ -294,21 +298,27 @@ def make_call(
     value themselves (:func:`qkv.multi_head_attention`): the names of the axes before
     (L, D) (default: PyTorch's layout, :func:`default_lead`) and the recorder's settings.
     """
-    xp, query, key, value = _checks.qkv_arrays(query, key, value, enable_gqa=enable_gqa)
+    kind, xp, query, key, value = _checks.qkv_arrays(query, key, value, enable_gqa=enable_gqa)
     _checks.check_options(scale, dropout_p, causal_alignment)
     scores_shape = (*query.shape[:-2], query.shape[-2], key.shape[-2])
-    _checks.check_mask(mask, query, scores_shape)
+    _checks.check_mask(mask, query, kind, scores_shape)
     bias = None if bias is None else as_array(bias, "bias")
-    _checks.check_bias(bias, query, scores_shape)
+    _checks.check_bias(bias, query, kind, scores_shape)
     if lead is None:
         lead = default_lead(query.ndim, enable_gqa=enable_gqa)
     if isinstance(mask, Mask):  # one length per batch element, on every backend
         mask.check_batch(int(query.shape[lead.index("batch")]) if "batch" in lead else 1)
     heads = int(query.shape[-3]) if "head" in lead else 1
-    sinks = None if sinks is None else _checks.check_sinks(sinks, query, heads)
-    seed = None
-    if dropout_p > 0:
-        seed = draw_seed(generator, torch_inputs=library(query) == "torch")
+    compiled = kind == "torch" and compiling()
+    if sinks is not None:
+        sinks = _checks.check_sinks(sinks, query, kind, heads)
+        if not compiled:  # compiled: the tiled kernel's operator checks them when it runs
+            _checks.check_sink_values(xp, sinks)
+    seed: int | Array | None = None
+    if dropout_p > 0 and compiled:
+        seed = graph_seed(generator)
+    elif dropout_p > 0:
+        seed = draw_seed(generator, torch_inputs=kind == "torch")
     options = Options(
         mask=mask,
         bias=bias,
@@ -322,4 +332,24 @@ def make_call(
         sinks=sinks,
     )
     recorder = Recorder(resolve(trace), formulas or _NO_FORMULAS, squeeze_heads)
-    return Call(xp, query, key, value, lead, options, bool(return_weights), recorder)
+    return Call(kind, xp, query, key, value, lead, options, bool(return_weights), recorder)
+
+
+def graph_seed(generator: Any) -> Array:
+    """The dropout seed of a call that ``torch.compile`` traces: a one-element int64 tensor
+    drawn inside the graph from torch's global generator (an int seed stays as given).
+
+    Raises:
+        TypeError: a generator object, which a compiled graph cannot draw from.
+    """
+    import torch
+
+    if isinstance(generator, int) and not isinstance(generator, bool):
+        return torch.tensor([generator & (2**62 - 1)], dtype=torch.int64)
+    if generator is not None:
+        raise TypeError(
+            f"generator must be None or an int seed under torch.compile, got "
+            f"{type(generator).__name__}. Hint: a compiled graph draws from torch's global "
+            "generator (torch.manual_seed) or takes generator=<int>."
+        )
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64)

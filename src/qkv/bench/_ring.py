@@ -9,7 +9,8 @@ strategy, under :func:`qkv.distributed.profiling`, and reports:
 - per-rank compute: the CPU time of the rank's thread inside the attention kernel
   (steadier than wall time when the machine is shared), and the exposed communication:
   wall time spent waiting for an exchange after the step's compute was done;
-- load balance: the largest per-rank compute over the mean (1.0 is perfect);
+- load balance: the largest per-rank compute over the mean (1.0 is perfect), and the
+  (query piece, key piece) pairs each rank computed, counted (what a layout promises);
 - per-rank peak memory at several N: what the operating system saw the call add (peak
   resident set, reset before the call: :func:`qkv.bench.peak_memory`; the ranks run with
   glibc's mmap threshold fixed, so freed tensors leave the resident set), with the
@@ -124,7 +125,7 @@ def rank_work(
     try:
         found: dict[str, Any] = {"runs": [], "memory": []}
         for layout, strategy in _configs(size, settings):
-            walls, compute, exposed, buffers = [], [], [], 0
+            walls, compute, exposed, buffers, pairs = [], [], [], 0, 0
             for repeat in range(settings.repeats + 1):  # the first one warms up
                 dist.barrier()
                 start = time.perf_counter()
@@ -134,7 +135,7 @@ def rank_work(
                     walls.append(wall)
                     compute.append(profile.compute_cpu_s)
                     exposed.append(profile.exposed_s)
-                    buffers = profile.peak_bytes
+                    buffers, pairs = profile.peak_bytes, profile.pairs
             found["runs"].append(
                 {
                     "layout": layout,
@@ -143,6 +144,7 @@ def rank_work(
                     "compute_ms": 1e3 * statistics.median(compute),
                     "exposed_ms": 1e3 * statistics.median(exposed),
                     "buffer_bytes": buffers,
+                    "pairs": pairs,  # (query piece, key piece) pairs computed, counted
                 }
             )
             if rank == 0:

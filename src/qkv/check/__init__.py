@@ -44,6 +44,7 @@ from qkv.check._diagnose import slips_for
 from qkv.check._engine import check
 from qkv.check._function import (
     FUNCTION_DIAGNOSES,
+    ISOLATIONS,
     FunctionError,
     FunctionReport,
     check_function,
@@ -56,6 +57,7 @@ __all__ = [
     "DIAGNOSES",
     "FORMATS",
     "FUNCTION_DIAGNOSES",
+    "ISOLATIONS",
     "ROW_STEPS",
     "STATUSES",
     "Finding",

@@ -116,6 +116,13 @@ def check(example: Example | str | os.PathLike[str]) -> Report:
     """
     if not isinstance(example, Example):
         example = resolve(example)
+    # Slips and finite inputs may overflow on the way: the findings (or the reference's one
+    # error line) say so, never a NumPy RuntimeWarning printed before them.
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        return _check(example)
+
+
+def _check(example: Example) -> Report:
     setup = Setup.of(example)
     correct = correct_values(example)
     assumed = _assumed(example)

@@ -20,18 +20,14 @@ import numpy as np
 from qkv._format import markdown_escape, number
 from qkv.check._findings import ReportData
 from qkv.check._function_diagnose import FUNCTION_DIAGNOSES, diagnose
-from qkv.check._function_run import (
-    ARRAYS,
-    FunctionError,
-    run_file,
-    run_probes,
-    takes_mask,
-    validate,
-)
+from qkv.check._function_file import run_file
+from qkv.check._function_run import ARRAYS, FunctionError, run_probes, takes_mask, validate
+from qkv.check._sandbox import ISOLATIONS
 
 __all__ = [
     "ARRAYS",
     "FUNCTION_DIAGNOSES",
+    "ISOLATIONS",
     "FunctionError",
     "FunctionReport",
     "check_function",
@@ -46,15 +42,21 @@ class FunctionReport(ReportData):
     Attributes (besides :class:`~qkv.check._findings.ReportData`'s):
         kind: ``attention``, ``causal`` or ``multi-head``.
         array: the array library it was probed with (``numpy`` or ``torch``).
+        isolation: for a ``FILE.py:NAME``, the isolation its code ran in (``bubblewrap``,
+            ``namespaces`` or ``process``: docs/check-function.md); None for a function
+            checked in this process.
     """
 
     kind: str = "attention"
     array: str = "numpy"
+    isolation: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """``{"ok": bool, "findings": [...]}``, the schema of ``qkv check``; a number that is
         not finite (inf, NaN) is ``null``."""
         data = super().to_dict()
+        if self.isolation is not None:
+            data["isolation"] = self.isolation
         for f in data["findings"]:
             f["claimed"] = [x if np.isfinite(x) else None for x in f["claimed"]]
             f["expected"] = [x if np.isfinite(x) else None for x in f["expected"]]
@@ -72,6 +74,8 @@ class FunctionReport(ReportData):
 
         report = self.visible()
         lines = [f"qkv check --function: {report.name} (kind {self.kind}, {self.array} probes)"]
+        if self.isolation is not None:
+            lines.append(f"isolation: {self.isolation}")
         if report.ok and not report.findings:
             lines.append("✓ No mistake found: every probe gives attention's numbers.")
         for f in report.findings:
@@ -87,7 +91,8 @@ class FunctionReport(ReportData):
         """The report as GitHub-flavoured Markdown."""
         report = self.visible()
         out = [f"# qkv check --function: {markdown_escape(report.name)}", ""]
-        out += [f"Kind `{self.kind}`, probed with {self.array} arrays.", ""]
+        ran = f", run in isolation `{self.isolation}`" if self.isolation is not None else ""
+        out += [f"Kind `{self.kind}`, probed with {self.array} arrays{ran}.", ""]
         if not report.findings:
             out += ["✓ No mistake found: every probe gives attention's numbers.", ""]
         for f in report.findings:
@@ -163,27 +168,42 @@ def check_function_file(
     alignment: str = "top-left",
     timeout: float = 20.0,
     batched: bool = False,
+    isolation: str = "auto",
 ) -> FunctionReport:
-    """Check the function ``FILE.py:NAME`` in a separate process with a time limit.
+    """Check the function ``FILE.py:NAME`` in a sandboxed process with a time limit.
 
-    Loading the file runs its code, as ``python FILE.py`` would. ``batched`` as in
-    :func:`check_function`.
+    Loading the file runs its code: it runs in a fresh temporary folder, with a scrubbed
+    environment and resource limits, and nothing it starts outlives the check;
+    ``isolation`` (``auto``: the strongest available, or ``bubblewrap``, ``namespaces``,
+    ``process``) says how far it is kept from the rest of the machine
+    (docs/check-function.md). ``batched`` as in :func:`check_function`.
 
     Raises:
         FunctionError: the file or function cannot be loaded or called, the process crashed,
-            or it did not finish within ``timeout`` seconds.
-        ValueError: an unknown kind, mask meaning, array library or alignment.
+            hit a limit, or did not finish within ``timeout`` seconds.
+        ValueError: an unknown kind, mask meaning, array library, alignment or isolation, a
+            level of isolation not available here, or a timeout that is not a positive
+            finite number.
     """
     validate(kind, mask_means, array, alignment)
-    path, name, used, with_mask, outcomes = run_file(
-        target, kind, mask_means=mask_means, array=array, timeout=timeout, batched=batched
+    done = run_file(
+        target,
+        kind,
+        mask_means=mask_means,
+        array=array,
+        timeout=timeout,
+        batched=batched,
+        isolation=isolation,
     )
-    findings = diagnose(kind, outcomes, with_mask=with_mask, alignment=alignment, batched=batched)
+    findings = diagnose(
+        kind, done.outcomes, with_mask=done.with_mask, alignment=alignment, batched=batched
+    )
     return FunctionReport(
-        name=f"{name} in {path}",
-        source=str(path),
+        name=f"{done.name} in {done.path}",
+        source=str(done.path),
         tokens=(),
         findings=tuple(findings),
         kind=kind,
-        array=used,
+        array=done.array,
+        isolation=done.isolation,
     )

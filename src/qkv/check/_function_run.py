@@ -1,30 +1,23 @@
-"""Calling an attention function on the probes of ``qkv check --function``.
+"""Calling an attention function on the probes of ``qkv check --function``, in this process.
 
-In this process (:func:`run_probes`, for a function object) or, for a student's
-``FILE.py:NAME``, in a separate Python process with a time limit (:func:`run_file`): loading
-a file runs its code, so an infinite loop or a crash becomes a one-line
-:class:`FunctionError`, not a hang. What comes back is one :class:`Outcome` per probe; the
-diagnosis is :mod:`~qkv.check._function_diagnose`'s.
+:func:`run_probes` calls a function object on every probe; a student's ``FILE.py:NAME`` runs
+it in a sandboxed process (:mod:`~qkv.check._function_file`). What comes back is one
+:class:`Outcome` per probe; the diagnosis is :mod:`~qkv.check._function_diagnose`'s. The
+student's exception texts reach messages through :func:`student_text` (escaped).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
-import json
-import os
-import subprocess
-import sys
-import tempfile
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
+from qkv._format import visible
 from qkv.check._probes import KINDS, MASK_MEANINGS, Probe, probes
 
 __all__ = [
@@ -32,10 +25,9 @@ __all__ = [
     "ARRAYS",
     "FunctionError",
     "Outcome",
-    "load_function",
-    "run_file",
+    "raised",
     "run_probes",
-    "split_target",
+    "student_text",
     "takes_mask",
     "validate",
 ]
@@ -57,6 +49,20 @@ class Outcome:
     context: Array | None = None
     weights: Array | None = None
     error: str | None = None
+
+
+def student_text(text: str, limit: int = 200) -> str:
+    """Text the student's code chose (an exception's message or class name, its output) as
+    one short line that cannot act on a terminal: whitespace runs become one space, control
+    and bidirectional characters are written out (``\\x1b``), at most ``limit`` characters.
+
+    Example:
+        >>> print(student_text("bad\\n\\x1b]0;PWNED\\x07 value"))
+        bad \\x1b]0;PWNED\\x07 value
+    """
+    one_line = " ".join(text.split())
+    escaped = visible(one_line)
+    return escaped if len(escaped) <= limit else escaped[: limit - 1] + "…"
 
 
 def validate(kind: str, mask_means: str, array: str, alignment: str) -> None:
@@ -126,14 +132,24 @@ def _call(fn: Callable[..., Any], args: list[Any], *, lead: bool = False) -> Out
             warnings.simplefilter("ignore")
             result = fn(*args)
     except Exception as exc:  # the student's code may raise anything: it is a finding
-        text = " ".join(str(exc).split())[:200]
-        return Outcome(error=f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
+        return Outcome(error=raised(exc))
     try:
         if isinstance(result, (tuple, list)) and len(result) == 2:
             return Outcome(_as_array(result[0], lead), _as_array(result[1], lead))
         return Outcome(_as_array(result, lead))
     except (TypeError, ValueError):
-        return Outcome(error=f"returned {type(result).__name__}, not an array of numbers")
+        kind = student_text(type(result).__name__, 60)
+        return Outcome(error=f"returned {kind}, not an array of numbers")
+
+
+def raised(exc: BaseException) -> str:
+    """``"TypeError: the message"`` for the student's exception, escaped and shortened."""
+    try:
+        text = str(exc)
+    except Exception:  # a __str__ of the student's own that raises
+        text = ""
+    name = student_text(type(exc).__name__, 60)
+    return f"{name}: {student_text(text)}" if text.strip() else name
 
 
 def run_probes(
@@ -209,128 +225,3 @@ _SIGNATURES = {
     "multi-head": "NAME(X, W_q, W_k, W_v, W_o, num_heads) returning the output or "
     "(output, weights)",
 }
-
-
-# ---------------------------------------------------------------- a student's file
-
-
-def split_target(target: str) -> tuple[Path, str]:
-    """``FILE.py:NAME`` as (path, name).
-
-    Raises:
-        FunctionError: no ``:NAME``, or no such file.
-    """
-    path, sep, name = target.rpartition(":")
-    if not sep or not path or not name.isidentifier():
-        raise FunctionError(
-            f"--function must be FILE.py:NAME, got {target!r}. Hint: "
-            "'qkv check --function student.py:attention --kind attention'"
-        )
-    if not Path(path).is_file():
-        raise FunctionError(f"--function: no such file {path!r}. Hint: check the path")
-    return Path(path), name
-
-
-def load_function(path: Path, name: str) -> Callable[..., Any]:
-    """Import ``path`` (this runs its code) and return its function ``name``.
-
-    Raises:
-        FunctionError: the file cannot be imported or has no callable ``name``.
-    """
-    sys.path.insert(0, str(path.resolve().parent))
-    spec = importlib.util.spec_from_file_location("_qkv_student_module", path)
-    if spec is None or spec.loader is None:
-        raise FunctionError(f"{path}: not a Python file. Hint: give a .py file")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except BaseException as exc:
-        text = " ".join(str(exc).split())[:200]
-        raise FunctionError(
-            f"{path}: importing it raised {type(exc).__name__}: {text}. Hint: run "
-            f"'python {path}' to see the whole error"
-        ) from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise FunctionError(
-            f"{path}: no function named {name!r}. Hint: give FILE.py:NAME with the name of "
-            "the function after the colon"
-        )
-    return fn  # type: ignore[no-any-return]
-
-
-def _child_main() -> None:
-    """The separate process: load the file, call the function on the probes, write JSON."""
-    path, name, kind, mask_means, array, batched, out = sys.argv[1:8]
-    try:
-        fn = load_function(Path(path), name)
-        used, outcomes = run_probes(
-            fn, kind, mask_means=mask_means, array=array, batched=batched == "batched"
-        )
-        data: dict[str, Any] = {
-            "array": used,
-            "with_mask": takes_mask(fn, kind),
-            "outcomes": [
-                {
-                    "context": None if o.context is None else o.context.tolist(),
-                    "weights": None if o.weights is None else o.weights.tolist(),
-                    "error": o.error,
-                }
-                for o in outcomes
-            ],
-        }
-    except FunctionError as exc:
-        data = {"error": str(exc)}
-    Path(out).write_text(json.dumps(data), encoding="utf-8")
-    os._exit(0)  # the student's threads or atexit hooks must not keep the process alive
-
-
-def run_file(
-    target: str, kind: str, *, mask_means: str, array: str, timeout: float, batched: bool = False
-) -> tuple[Path, str, str, bool, list[Outcome]]:
-    """Run ``FILE.py:NAME`` on the probes of ``kind`` in a separate process.
-
-    Returns the path, the function's name, the array library used, whether it takes a mask,
-    and the outcomes.
-
-    Raises:
-        FunctionError: the file or function cannot be loaded or called, the process crashed,
-            or it did not finish within ``timeout`` seconds.
-    """
-    path, name = split_target(target)
-    with tempfile.TemporaryDirectory(prefix="qkv-function-") as tmp:
-        out = Path(tmp) / "outcomes.json"
-        command = [
-            sys.executable,
-            "-c",
-            "from qkv.check._function_run import _child_main; _child_main()",
-            str(path), name, kind, mask_means, array,
-            "batched" if batched else "single", str(out),
-        ]  # fmt: skip
-        try:
-            done = subprocess.run(
-                command, capture_output=True, text=True, timeout=timeout, check=False
-            )
-        except subprocess.TimeoutExpired:
-            raise FunctionError(
-                f"{target}: the function did not finish within {timeout:g} s (an infinite "
-                "loop?). Hint: run it by hand on small inputs, or give a longer time limit"
-            ) from None
-        if not out.is_file():
-            last = (done.stderr.strip().splitlines() or ["no message"])[-1][:200]
-            raise FunctionError(
-                f"{target}: the process running it ended with status {done.returncode} "
-                f"before returning ({last}). Hint: run 'python {path}' to see the crash"
-            )
-        data = json.loads(out.read_text(encoding="utf-8"))
-    if "error" in data:
-        raise FunctionError(str(data["error"]))
-    outcomes = [
-        Outcome(
-            None if o["context"] is None else np.asarray(o["context"], dtype=np.float64),
-            None if o["weights"] is None else np.asarray(o["weights"], dtype=np.float64),
-            o["error"],
-        )
-        for o in data["outcomes"]
-    ]
-    return path, name, data["array"], bool(data["with_mask"]), outcomes

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qkv.attention import softmax
+from qkv.attention._guards import check_overflow
 from qkv.examples import Example, run
 from qkv.examples._format2 import CLAIMABLE_2
 from qkv.examples._run import allowed_keys
@@ -432,6 +433,15 @@ def correct_values(example: Example) -> Values:
         for step, rows in example.assumed.items()
     }
     values = forward(setup, None, assumed)
+    if {"Q", "K"} <= set(setup.given):  # the reference's own refusal (run() says it for X)
+        check_overflow(
+            np,
+            values["scaled"],
+            setup.allowed(),
+            "the scaled scores Q·Kᵀ × scale",
+            (("query", setup.given["Q"]), ("key", setup.given["K"])),
+            setup.factor,
+        )
     if example.inputs != "embeddings" or assumed:
         return values
     trace = run(example)

@@ -16,7 +16,15 @@ from qkv import _io
 from qkv.bench import Settings, Table, _tables
 from qkv.bench._tables import SECTION_NAMES
 from qkv.cli._bench_ring import add_ring
-from qkv.cli._common import Command, CommandError, Output, check_outputs, int_in_range, write_all
+from qkv.cli._common import (
+    MAX_THREADS,
+    Command,
+    CommandError,
+    Output,
+    check_outputs,
+    int_in_range,
+    write_all,
+)
 
 DEFAULT_OUTPUT = "docs/benchmarks.md"
 
@@ -57,7 +65,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--threads",
-        type=int_in_range(1),
+        type=int_in_range(1, MAX_THREADS),
         metavar="T",
         help="PyTorch threads (default: PyTorch's own choice)",
     )
@@ -99,6 +107,7 @@ def _run(args: argparse.Namespace) -> int:
     if overrides:
         settings = _suite.Settings(**{**settings.__dict__, **overrides})
     sections = tuple(args.only or SECTION_NAMES)
+    _check_memory(settings, sections)
 
     console = Console(width=min(Console().width, 80), highlight=False, emoji=False)
     about = _suite.machine()
@@ -132,6 +141,39 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def memory_needed(length: int, *, backward: bool) -> int:
+    """Bytes a dense section (forward) or the long one (forward and backward) needs at
+    ``length``: q, k, v, the output (and dQ, dK, dV, the output's gradient and the kernel's
+    workspace) of B=1, H=8, D=64 float32; up to 4096 tokens also the (N, N) matrices of the
+    naive peers."""
+    from qkv.bench._measure import DIM, HEADS
+
+    tensor = HEADS * length * DIM * 4
+    quadratic = 3 * HEADS * length * length * 4 if length <= 4096 else 0
+    return (10 if backward else 5) * tensor + quadratic
+
+
+def _check_memory(settings: Any, sections: tuple[str, ...]) -> None:
+    """One line naming the option whose length does not fit, before anything is allocated."""
+    from qkv._memory import physical_memory
+    from qkv._read import size_text
+
+    available = physical_memory()
+    asked = []
+    if "dense" in sections:
+        asked += [("--lengths", n, memory_needed(n, backward=False)) for n in settings.lengths]
+    if "long" in sections:
+        n = settings.long_length
+        asked.append(("--long-length", n, memory_needed(n, backward=True)))
+    for option, length, needed in asked:
+        if needed > available:
+            raise CommandError(
+                f"{option} {length} needs about {size_text(needed)} of memory (B=1, H=8, D=64, "
+                f"float32), more than the {size_text(available)} of this machine. Hint: a "
+                "shorter length"
+            )
 
 
 def _command_line(args: argparse.Namespace) -> str:

@@ -12,6 +12,7 @@ it is right, 1 when it makes a mistake, 2 when it cannot be loaded or called
 from __future__ import annotations
 
 import argparse
+import math
 
 from qkv.cli._common import Command, CommandError, add_output_options, emit
 
@@ -20,6 +21,20 @@ _KINDS = ("attention", "causal", "multi-head")  # qkv.check._probes.KINDS
 _MASK_MEANINGS = ("allow", "ignore", "additive")
 _ARRAYS = ("auto", "numpy", "torch")
 _ALIGNMENTS = ("top-left", "bottom-right")
+_ISOLATIONS = ("auto", "bubblewrap", "namespaces", "process")  # qkv.check.ISOLATIONS
+
+
+def _seconds(text: str) -> float:
+    """An argparse ``type``: a positive finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"expected a positive finite number of seconds, got {text!r}"
+        )
+    return value
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
@@ -87,10 +102,18 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--timeout",
-        type=float,
+        type=_seconds,
         default=20.0,
         metavar="SECONDS",
         help="stop the function's process after SECONDS (default: 20)",
+    )
+    group.add_argument(
+        "--isolation",
+        choices=_ISOLATIONS,
+        default="auto",
+        help="how the file's code is kept from this machine: bubblewrap (read-only system, "
+        "no network), namespaces (no network, no signal out), process (a process tree "
+        "qkv ends); auto takes the strongest available (default: auto)",
     )
     add_output_options(parser, "write the report to FILE instead of the terminal (atomically)")
 
@@ -101,8 +124,6 @@ def _run_function(args: argparse.Namespace) -> int:
             "give --function FILE.py:NAME or an example, not both. Hint: 'qkv check --function "
             "student.py:attention --kind attention'"
         )
-    if not args.timeout > 0:
-        raise CommandError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     from qkv.check import check_function_file
 
     report = check_function_file(
@@ -113,6 +134,7 @@ def _run_function(args: argparse.Namespace) -> int:
         alignment=args.causal_alignment,
         timeout=args.timeout,
         batched=args.batched,
+        isolation=args.isolation,
     )
     emit(args, lambda width: report.render(args.format, width=width), report.print)
     return 0 if report.ok else 1
@@ -160,7 +182,8 @@ COMMAND = Command(
         "See docs/check.md.\n\n"
         "With --function FILE.py:NAME it checks an attention function instead and names\n"
         "its slip (docs/check-function.md). WARNING: this imports FILE.py, which runs its\n"
-        "code; it runs in a separate process with a time limit (--timeout)."
+        "code; it runs sandboxed (--isolation: bubblewrap where installed), in a fresh\n"
+        "temporary folder, with a time limit (--timeout) and resource limits."
     ),
     examples=(
         ("qkv check --example i-love-statistics", "seed 000: which of its numbers are wrong"),

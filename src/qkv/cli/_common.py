@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from qkv import _io
+from qkv._format import visible
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -72,6 +73,11 @@ def examples_block(examples: tuple[tuple[str, str], ...]) -> str:
     for command, what in examples:
         lines += [f"  {command}", f"      {what}"]
     return "\n".join(lines)
+
+
+MAX_THREADS = max(256, os.cpu_count() or 1)
+"""The most threads ``--threads`` takes: more than any CPU here has (PyTorch fails past a few
+tens of thousands with an internal error)."""
 
 
 def int_in_range(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -194,7 +200,7 @@ def write_all(outputs: Sequence[Output]) -> None:
     for output, target in direct:
         _write_one(output, target, target)
     for output in outputs:
-        print(f"qkv: wrote {output.path} ({output.what})", file=sys.stderr)
+        print(f"qkv: wrote {visible(output.path)} ({output.what})", file=sys.stderr)
 
 
 def _write_one(output: Output, target: Path, where: Path) -> None:
@@ -261,11 +267,14 @@ def emit(
 
 
 def one_line(error: BaseException) -> str:
-    """An error message on one line (for ``qkv: error: ...``)."""
+    """An error message on one line (for ``qkv: error: ...``), every control character in
+    it escaped (:func:`qkv._format.visible`): whatever text of a file, a file name or a
+    student's exception the message quotes cannot act on the terminal."""
     if isinstance(error, _io.WriteError):
-        return str(error)
-    if isinstance(error, OSError) and error.strerror:
+        text = str(error)
+    elif isinstance(error, OSError) and error.strerror:
         where = f": {error.filename}" if error.filename else ""
-        return f"{error.strerror}{where}"
-    text = " ".join(str(error).split())
-    return text or type(error).__name__
+        text = f"{error.strerror}{where}"
+    else:
+        text = " ".join(str(error).split())
+    return visible(text) or type(error).__name__

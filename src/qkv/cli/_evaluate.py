@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from qkv._format import visible
 from qkv.cli._common import Command, CommandError, int_in_range, write_atomic
 
 GENERATED = "generated"
@@ -105,7 +106,10 @@ def _run(args: argparse.Namespace) -> int:
         "confusion": result.confusion.tolist(),
         "labels": list(result.labels),
     }
-    text = json.dumps(report, indent=1) + "\n" if args.json else _text(report)
+    # the labels come from the checkpoint, the data's name from the command line: escaped
+    text = (
+        json.dumps(report, indent=1) + "\n" if args.json else visible(_text(report), newlines=True)
+    )
     if args.output is not None:
         write_atomic(args.output, text)
         print(f"qkv: wrote {args.output}", file=sys.stderr)

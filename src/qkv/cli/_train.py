@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from qkv._format import visible
 from qkv._train_settings import (
     CLASSIFY_TRAINING,
     RECALL_TRAINING,
@@ -22,6 +23,7 @@ from qkv._train_settings import (
     TrainSettings,
 )
 from qkv.cli._common import (
+    MAX_THREADS,
     Command,
     CommandError,
     examples_block,
@@ -30,6 +32,7 @@ from qkv.cli._common import (
 )
 
 GENERATED = "generated"  # qkv.train._text.GENERATED, without importing torch for --help
+MAX_SEED = 2**64 - 1  # what torch.manual_seed takes
 
 
 def fraction(low: float, high: float, *, open_low: bool = True) -> Callable[[str], float]:
@@ -84,11 +87,14 @@ def _common(
         "gone on (its model, data and seed are kept)",
     )
     run.add_argument(
-        "--seed", type=int_in_range(0), metavar="N", help=f"random seed (default {defaults.seed})"
+        "--seed",
+        type=int_in_range(0, MAX_SEED),
+        metavar="N",
+        help=f"random seed, from 0 to 2**64 - 1 (default {defaults.seed})",
     )
     run.add_argument(
         "--threads",
-        type=int_in_range(1),
+        type=int_in_range(1, MAX_THREADS),
         metavar="N",
         help="CPU threads for PyTorch (default: PyTorch's; results repeat for the same N)",
     )
@@ -360,6 +366,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         torch = require("torch", feature="qkv train")
         from qkv import train
+        from qkv.train._size import SizeError
     except MissingExtraError as error:
         raise CommandError(str(error)) from None
     if args.resume and args.out is None:
@@ -426,6 +433,16 @@ def _run(args: argparse.Namespace) -> int:
 
                 print(format_drift(outcome.drift, frozen=outcome.frozen))
                 print(f"(every word: {out / DRIFT})")
+    except SizeError as error:
+        option = "--" + error.field.replace("_", "-")
+        raise CommandError(error.message(f"{option} {error.value}", option)) from None
+    except (MemoryError, RuntimeError) as error:  # a backstop: the estimate is rough
+        if not isinstance(error, MemoryError) and "can't allocate memory" not in str(error):
+            raise
+        raise CommandError(
+            "the run ran out of memory. Hint: a smaller --d-model, --embedding-dim, "
+            "--batch-size or --layers"
+        ) from None
     except KeyboardInterrupt:
         print(
             f"qkv: interrupted; continue with: qkv train {args.train_task} --out {out} --resume",
@@ -434,6 +451,8 @@ def _run(args: argparse.Namespace) -> int:
         raise
     except MissingExtraError as error:
         raise CommandError(str(error)) from None
+    except train.DataError as error:  # the data file's own error, in the words of the option
+        raise CommandError(f"--data {error}") from None
     return 0
 
 
@@ -507,7 +526,8 @@ def model_trace(args: argparse.Namespace) -> Any:
         raise
     if args.plot is not None or args.html is not None or args.output is not None:
         share = prediction.probabilities[prediction.label]
-        print(f"qkv: the model predicts {prediction.label} ({share:.1%})", file=sys.stderr)
+        label = visible(prediction.label)  # a class name from the checkpoint
+        print(f"qkv: the model predicts {label} ({share:.1%})", file=sys.stderr)
     return trace
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qkv.distributed._checks import STRATEGIES, agree, check_call
+from qkv.distributed._checks import STRATEGIES, agree, check_call, encode_options
 from qkv.distributed._layout import Layout, Piece, pieces, rank_and_size
 from qkv.distributed._profile import current
 from qkv.distributed._steps import (
@@ -93,8 +93,10 @@ def ring_attention(
     busy = [False] * size
     ring: Ring | None = None
     checked_sinks = None
+    options = None
     try:
         checked_sinks = check_call(q, k, v, mask, sinks, layout, strategy)
+        options = encode_options(is_causal, layout, strategy, scale, checked_sinks, mask)
         local = q.shape[2]
         n = local * size
         plan = pieces(n, layout, rank, size)  # checks that N splits as the layout needs
@@ -107,7 +109,7 @@ def ring_attention(
             busy = ring.plan_steps(plan, q.shape[0], q.shape[1])
     except (TypeError, ValueError) as caught:
         error = caught
-    steps = agree(q, k, v, busy, error, size, group)
+    steps = agree(q, k, v, busy, error, size, group, options)
     assert ring is not None
     if strategy == "ulysses":
         return ulysses(q, k, v, ring.rule, ring.scale, checked_sinks, layout, rank, size, group)

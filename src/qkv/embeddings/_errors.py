@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from qkv._format import visible
+
 
 class EmbeddingsFileError(ValueError):
     """A word-vector file that cannot be read.
@@ -54,7 +56,7 @@ class EmbeddingsFileError(ValueError):
         text = f"{where}: {self.problem}"
         if self.hint:
             text = f"{text.rstrip('.')}. Hint: {self.hint}"
-        return text
+        return visible(text)  # a word from the file may hold anything
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Keyword-only arguments: rebuild from the parts so the error survives pickling.

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from qkv._format import visible
+
 
 class ExampleError(ValueError):
     """A worked example that cannot be read: the file, the line, the field and a hint.
 
     The message reads ``"ex.yaml, line 7: weights.W_q: expected 3 rows (...), got 2. Hint: ..."``;
-    the parts are also attributes, for programs that want to point at the place.
+    the parts are also attributes, for programs that want to point at the place. The file's
+    own text (keys, tokens, the file's name) is escaped in the message
+    (:func:`qkv._format.visible`), never in the attributes.
 
     Attributes:
         source: the file path, ``"<string>"`` or ``"<built-in NAME>"``; None when no file is
@@ -53,7 +57,7 @@ class ExampleError(ValueError):
         text = ": ".join([*parts, self.problem])
         if self.hint:
             text = f"{text.rstrip('.')}. Hint: {self.hint}"
-        return text
+        return visible(text)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Keyword-only arguments: rebuild from the parts so the error survives pickling.

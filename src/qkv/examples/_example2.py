@@ -19,7 +19,7 @@ from qkv.examples._format2 import (
 )
 from qkv.examples._model import Claimed, Example
 from qkv.examples._nodes import NodeReader, describe, join
-from qkv.examples._shapes import OPTION_KEYS, heads_of, queries_of, weights_of
+from qkv.examples._shapes import OPTION_KEYS, check_work, heads_of, queries_of, weights_of
 
 __all__ = ["V2_KEYS", "build_v2"]
 
@@ -79,6 +79,14 @@ def build_v2(
         lq = lk = embeddings.shape[0]
         d_k_all, d_v_all = W_q.shape[1], W_v.shape[1]
 
+    if inputs == "embeddings":  # before any step is computed
+        rows = ("embeddings", top["embeddings"][1], lk)
+        check_work(r, rows, rows, ("weights.W_v", top["weights"][1], d_v_all))
+    else:
+        node = top["inputs"][1]
+        first = "inputs.scores" if "scores" in given else "inputs.Q"
+        values = ("inputs.V", node, d_v_all) if "V" in given else None
+        check_work(r, (first, node, lq), ("inputs.K", node, lk), values)
     tokens = names(r, _node(top, "tokens"), "tokens", lk, "t", "tokens (one per key)")
     query_node = _node(top, "query_tokens")
     query_tokens: tuple[str, ...] | None = None
@@ -347,12 +355,13 @@ def _per_head(
             f"expected a list of mappings, one per head, got {describe(node)}",
             "- weights: {...}   # head 1, then the next head on a new '- ' line",
         )
-    if len(node.value) > heads:
+    if len(node.value) != heads:
         raise r.error(
             key_node,
             "claimed.per_head",
-            f"expected at most {heads} mappings (heads: {heads}), got {len(node.value)}",
-            "one mapping per head, head 1 first; set heads: to the number of heads",
+            f"expected {heads} mappings, one per head (heads: {heads}), got {len(node.value)}",
+            "one mapping per head, head 1 first, {} for a head with no claims; set heads: "
+            "to the number of heads",
         )
     found = []
     for h, item in enumerate(node.value):

@@ -27,7 +27,7 @@ import yaml
 from qkv.examples._example2 import V2_KEYS, build_v2
 from qkv.examples._model import Claimed, Example
 from qkv.examples._nodes import NodeReader, describe, join, line_of, shorten
-from qkv.examples._shapes import heads_of, options_of, weights_of
+from qkv.examples._shapes import MAX_TOKENS, check_work, heads_of, options_of, weights_of
 from qkv.examples._text import Kind, compose, kind_of, read_text
 
 FORMAT_VERSION = 2
@@ -45,7 +45,6 @@ TOP_KEYS = (
 CLAIMABLE = ("Q", "K", "V", "scores", "scaled", "weights", "context", "output")
 """The steps whose rows an example may claim, in the order of computation."""
 
-MAX_TOKENS = 2048
 """The most tokens an example may have: every step is shown for every pair of tokens, so the
 (L, L) matrices of a longer example would not fit the memory (or a screen)."""
 _REQUIRED = ("tokens", "embeddings", "weights")
@@ -176,6 +175,8 @@ def _from_node(root: yaml.Node, source: str, slug: str | None) -> Example:
             f"tokens has {len(tokens)} entries: {', '.join(tokens)}",
         )
     W_q, W_k, W_v, W_o = weights_of(r, *top["weights"], embeddings.shape[1])
+    rows = ("tokens", top["tokens"][1], len(tokens))
+    check_work(r, rows, rows, ("weights.W_v", top["weights"][1], W_v.shape[1]))
     heads = 1
     if "heads" in top:
         heads = heads_of(r, top["heads"][1], W_q.shape[1], W_v.shape[1])

@@ -8,9 +8,12 @@ import yaml
 from qkv.examples._nodes import NodeReader, describe, join, line_of, shorten
 
 __all__ = [
+    "MAX_STEP_VALUES",
+    "MAX_TOKENS",
     "OPTION_KEYS",
     "WEIGHT_KEYS",
     "check_rows",
+    "check_work",
     "heads_of",
     "options_of",
     "queries_of",
@@ -18,6 +21,11 @@ __all__ = [
 ]
 
 WEIGHT_KEYS = ("W_q", "W_k", "W_v", "W_o")
+MAX_TOKENS = 2048
+"""The most tokens (rows of the queries, of the keys) a worked example may have."""
+MAX_STEP_VALUES = 1 << 25
+"""The most numbers one step may hold: the largest, products, holds Lq × Lk × d_v (2,048
+tokens and d_v = 8 fit; a file whose aliases repeat one large matrix does not)."""
 OPTION_KEYS = ("scale", "causal", "queries")
 _WEIGHT_ALIASES = {k.lower().replace("_", ""): k for k in WEIGHT_KEYS} | {
     "W_Q": "W_q",
@@ -164,3 +172,39 @@ def queries_of(r: NodeReader, node: yaml.Node, tokens: tuple[str, ...]) -> tuple
             )
         seen[index] = item
     return tuple(seen)
+
+
+Sized = tuple[str, yaml.Node, int]  # a field, its node (for the line) and a size
+
+
+def check_work(r: NodeReader, queries: Sized, keys: Sized, values: Sized | None) -> None:
+    """Refuse, before any step is computed, an example larger than the documented limits:
+    ``queries`` and ``keys`` give their rows, ``values`` the columns of V (d_v, all heads),
+    None when there is no V.
+
+    Raises:
+        ExampleError: more than :data:`MAX_TOKENS` rows, or a products step (Lq × Lk × d_v)
+            of more than :data:`MAX_STEP_VALUES` numbers.
+    """
+    for field, node, count in (queries, keys):
+        if count > MAX_TOKENS:
+            raise r.error(
+                node,
+                field,
+                f"expected at most {MAX_TOKENS:,} rows (tokens), got {count:,}",
+                "a worked example shows every step for every pair of tokens; for long "
+                "sequences use qkv.tracing(queries=[...]) on qkv.scaled_dot_product_attention",
+            )
+    if values is None:
+        return
+    field, node, d_v = values
+    total = queries[2] * keys[2] * d_v
+    if total > MAX_STEP_VALUES:
+        raise r.error(
+            node,
+            field,
+            f"the products step would hold {total:,} numbers (Lq {queries[2]:,} × Lk "
+            f"{keys[2]:,} × d_v {d_v:,}), more than the {MAX_STEP_VALUES:,} a worked example "
+            "may",
+            "a worked example is small: fewer tokens, or narrower value vectors",
+        )

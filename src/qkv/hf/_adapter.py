@@ -20,6 +20,7 @@ from typing import Any
 from qkv._extras import require
 from qkv.attention._dispatch import make_call, run_call
 from qkv.masks import softcap as softcap_mod
+from qkv.steps import projection_formula
 from qkv.trace import Trace, current_trace, suspended
 from qkv.trace._context import register_model_adapter
 
@@ -52,6 +53,77 @@ The packed-sequence arguments of the flash kernels (``cu_seq_lens_q``, ...) are 
 
 _calls: ContextVar[list[int] | None] = ContextVar("qkv_hf_calls", default=None)
 """The number of attention calls inside the current tracing block of a transformers model."""
+
+_projections: ContextVar[dict[int, dict[str, dict[str, Any]]] | None] = ContextVar(
+    "qkv_hf_projections", default=None
+)
+"""How each attention module of the traced model makes Q, K and V (by ``id(module)``): the
+arguments of :func:`qkv.steps.projection_formula` for each letter it is understood for."""
+
+_PROJECTIONS = {
+    "Q": ("q_proj", "query", "q"),
+    "K": ("k_proj", "key", "k"),
+    "V": ("v_proj", "value", "v"),
+}
+"""The names transformers gives the query, key and value projections of an attention module."""
+_FUSED = ("c_attn", "qkv_proj", "query_key_value", "Wqkv")
+"""The names of one projection that makes Q, K and V together (GPT-2's ``c_attn``)."""
+_NORMS = {"Q": ("q_norm",), "K": ("k_norm",)}
+"""Normalisations applied to Q and K after their projection (Qwen3, OLMo 2)."""
+_CROSS = ("cross", "encdec", "encoder_attn")
+"""Words in the module path of a cross-attention layer (its K and V come from the encoder)."""
+
+
+def rotates_positions(model: Any) -> bool:
+    """Whether the model rotates Q and K by their positions (RoPE) before attention."""
+    return any("rotary" in type(module).__name__.lower() for module in model.modules())
+
+
+def _projection_facts(path: str, module: Any, *, rope: bool) -> dict[str, dict[str, Any]]:
+    """How ``module`` makes each of Q, K and V (the arguments of
+    :func:`~qkv.steps.projection_formula`), for those whose projection it has under a name
+    transformers uses; none when a part of the module is not understood (a normalisation
+    other than ``q_norm``/``k_norm``), so that a trace never claims a formula the model did
+    not compute."""
+    children = dict(module.named_children())
+    known = {*(n for names in _PROJECTIONS.values() for n in names), *_FUSED}
+    known |= {n for names in _NORMS.values() for n in names}
+    if any(
+        "norm" in type(child).__name__.lower() and name not in known
+        for name, child in children.items()
+    ):
+        return {}
+    fused = next((children[name] for name in _FUSED if name in children), None)
+    cross = any(word in path.lower() for word in _CROSS)
+    facts = {}
+    for letter, names in _PROJECTIONS.items():
+        projection = next((children[name] for name in names if name in children), fused)
+        if projection is None or getattr(projection, "weight", None) is None:
+            continue
+        facts[letter] = {
+            "source": "Y" if cross and letter != "Q" else "X",
+            "bias": getattr(projection, "bias", None) is not None,
+            "norm": any(children.get(name) is not None for name in _NORMS.get(letter, ())),
+            "rope": rope and letter != "V",
+        }
+    return facts
+
+
+def _formulas(module: Any, scaling: float | None, d_k: int) -> dict[str, str] | None:
+    """The formulas of this call's Q, K and V (None: the module is not understood). A module
+    that keeps its own ``scaling`` but passes ``scaling=1.0`` has scaled Q itself (Whisper,
+    OPT: ``q_proj(x) * self.scaling``), and Q's formula says so."""
+    facts = (_projections.get() or {}).get(id(module))
+    if not facts:
+        return None
+    own = getattr(module, "scaling", None)
+    prescaled = scaling == 1.0 and isinstance(own, float) and own != 1.0
+    return {
+        letter: projection_formula(
+            letter, **kwargs, scale=own if prescaled and letter == "Q" else None, d_k=d_k
+        )
+        for letter, kwargs in facts.items()
+    }
 
 
 def _family(module: object) -> str:
@@ -230,13 +302,14 @@ def _run(module: Any, query: Any, key: Any, value: Any, **options: Any) -> Any:
         counter[0] += 1
     weights = _wants_weights()
 
-    def attend() -> Any:
+    def attend(formulas: dict[str, str] | None = None) -> Any:
         call = make_call(
             query,
             key,
             value,
             enable_gqa=query.shape[1] != key.shape[1],
             return_weights=weights,
+            formulas=formulas,
             **options,
         )
         context, formed = run_call(call, rows_only=True)
@@ -256,7 +329,7 @@ def _run(module: Any, query: Any, key: Any, value: Any, **options: Any) -> Any:
         "family": _family(module),
     }
     with trace.in_layer(name, **facts):
-        return attend()
+        return attend(_formulas(module, options.get("scale"), int(query.shape[-1])))
 
 
 def qkv_mask(**kwargs: Any) -> Any:
@@ -328,12 +401,15 @@ def _adapt(model: Any, trace: Trace) -> Iterator[None]:
         ) from error
     counter = [0]
     runs = [0]
+    rope = rotates_positions(model)
+    projections = {id(m): _projection_facts(path, m, rope=rope) for path, m in modules}
 
     def count_run(*_: Any) -> None:
         runs[0] += 1
 
     handle = model.register_forward_pre_hook(count_run)
     token = _calls.set(counter)
+    projections_token = _projections.set(projections)
     try:
         yield
         if runs[0] and not counter[0]:
@@ -345,6 +421,7 @@ def _adapt(model: Any, trace: Trace) -> Iterator[None]:
         trace.meta.setdefault("hf_calls", 0)
         trace.meta["hf_calls"] += counter[0]
     finally:
+        _projections.reset(projections_token)
         _calls.reset(token)
         handle.remove()
         model.set_attn_implementation(previous)

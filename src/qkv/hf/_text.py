@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from qkv._extras import require
-from qkv.hf._adapter import attention_modules
+from qkv.hf._adapter import attention_modules, rotates_positions
 from qkv.hf._load import LoadedModel
 from qkv.trace import Trace, tracing
 
@@ -64,11 +64,6 @@ def text_layers(loaded: LoadedModel) -> list[str]:
         )
         found = [(path, m) for path, m in found if path.startswith(prefix + ".")]
     return [path for path, _ in found]
-
-
-def rotates_positions(model: Any) -> bool:
-    """Whether the model rotates Q and K by their positions (RoPE) before attention."""
-    return any("rotary" in type(module).__name__.lower() for module in model.modules())
 
 
 def trace_text(

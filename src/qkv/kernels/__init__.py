@@ -8,6 +8,8 @@
   the tiled kernel, with a CPU backward.
 - :func:`sdpa_attention`: ``torch.nn.functional.scaled_dot_product_attention`` given qkv's
   masks and policies.
+- :func:`tiled_in_graph`: the tiled kernel inside a ``torch.compile`` graph, as one
+  operator (``qkv::tiled_attention``) whose inside runs eagerly.
 - :func:`set_thread_mode`: how the tiled kernel uses several threads (PyTorch's own, or a
   pool of its own for machines busy with other work).
 
@@ -21,6 +23,7 @@ from qkv.kernels._api import as_score_mod, huge_bias, tiled_attention
 from qkv.kernels._blocks import BlockPlan, plan_blocks
 from qkv.kernels._flex import flex_attention
 from qkv.kernels._threads import get_thread_mode, set_thread_mode
+from qkv.kernels._tiled_ops import tiled_in_graph
 from qkv.kernels._torch_sdpa import dense_mask_elements, sdpa_attention
 
 __all__ = [
@@ -34,4 +37,5 @@ __all__ = [
     "sdpa_attention",
     "set_thread_mode",
     "tiled_attention",
+    "tiled_in_graph",
 ]

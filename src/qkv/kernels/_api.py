@@ -25,6 +25,7 @@ __all__ = [
     "captured_tensors",
     "closes_over_learnable",
     "huge_bias",
+    "prepare",
     "run_tiled",
     "tiled_attention",
     "with_sinks",
@@ -151,57 +152,98 @@ def run_tiled(
     # One call of the kernel: its thread mode is chosen once (see call_threads).
     with call_threads(query.device.type == "cpu"):
         batch, heads, q_len, _ = query.shape
-        kv_heads, kv_len = key.shape[1], key.shape[2]
         dtype = query.dtype
-        if 0 in (batch, heads, q_len, kv_len):  # nothing to compute: zeros, lse −inf
+        if 0 in (batch, heads, q_len, key.shape[2]):  # nothing to compute: zeros, lse −inf
             return _empty(query, key, value, bias, return_lse)
-        # The plan first: it refuses a call too long for it before anything is copied.
-        plan = plan_blocks(
-            rule,
-            batch=batch,
-            heads=heads,
-            q_len=q_len,
-            kv_len=kv_len,
-            heads_per_kv=heads // kv_heads,
-            block_q=block_q,
-            block_kv=block_kv,
-            skip=skip_blocks,
-            dense_mask=dense_mask is not None,
-        )
-        compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-        q, k, v = (x.to(compute).contiguous() for x in (query, key, value))
-        if bias is not None and bias.dtype != compute:
-            bias = bias.to(compute)
-        keep = None
-        if dropout_p > 0 and seed is not None:
-            keep = dropout_keep(dropout_p, seed)
-        masked = rule is not None or dense_mask is not None
-        exact = masked and (score_mod is not None or not _all_finite(q, k, bias))
-        huge = bias is not None and huge_bias(bias)
-        # A −inf bias (or a score modifier, which may return −inf) masks keys out: their weights
-        # must be exactly 0. Checked once per call; the no-bias path never pays for it.
-        blocked = score_mod is not None or (bias is not None and _holds_neg_inf(bias))
-        problem = Problem(
-            scale=scale,
+        q, k, v, bias, problem = prepare(
+            query,
+            key,
+            value,
             rule=rule,
             dense_mask=dense_mask,
+            bias=bias,
             score_mod=score_mod,
+            scale=scale,
             dropout_p=dropout_p,
-            keep=keep,
-            plan=plan,
-            skip=skip_blocks,
-            exact_masking=exact,
-            huge=huge,
-            blocked_scores=blocked,
+            seed=seed,
+            block_q=block_q,
+            block_kv=block_kv,
+            skip_blocks=skip_blocks,
         )
         captured: tuple[torch.Tensor, ...] = ()
         if score_mod is not None and torch.is_grad_enabled():
             captured = captured_tensors(score_mod, query, exclude=(query, key, value, bias, sinks))
         out, lse = tiled_function(q, k, v, bias, problem, captured)
         if sinks is not None:
-            out, lse = with_sinks(out, lse, sinks.to(compute))
+            out, lse = with_sinks(out, lse, sinks.to(q.dtype))
         out = like_layout(out.to(dtype), query)  # the query's memory layout, as torch's
         return (out, lse) if return_lse else out
+
+
+def prepare(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    rule: Mask | None,
+    dense_mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    score_mod: ScoreMod | None,
+    scale: float,
+    dropout_p: float,
+    seed: int | None,
+    block_q: int | None = None,
+    block_kv: int | None = None,
+    skip_blocks: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, Problem]:
+    """(q, k, v, bias, problem): the inputs in the compute dtype (float32 for half
+    precision), contiguous, and everything else the kernel needs, in numbers: the block
+    plan, the dropout pattern, and what the values ask for (non-finite entries, a huge or
+    −inf bias; a look at each, made once per call). The same inputs give the same problem,
+    so the backward pass of a compiled graph builds it again (``_tiled_ops.py``)."""
+    batch, heads, q_len, _ = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    # The plan first: it refuses a call too long for it before anything is copied.
+    plan = plan_blocks(
+        rule,
+        batch=batch,
+        heads=heads,
+        q_len=q_len,
+        kv_len=kv_len,
+        heads_per_kv=heads // kv_heads,
+        block_q=block_q,
+        block_kv=block_kv,
+        skip=skip_blocks,
+        dense_mask=dense_mask is not None,
+    )
+    dtype = query.dtype
+    compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    q, k, v = (x.to(compute).contiguous() for x in (query, key, value))
+    if bias is not None and bias.dtype != compute:
+        bias = bias.to(compute)
+    keep = None
+    if dropout_p > 0 and seed is not None:
+        keep = dropout_keep(dropout_p, seed)
+    masked = rule is not None or dense_mask is not None
+    exact = masked and (score_mod is not None or not _all_finite(q, k, bias))
+    huge = bias is not None and huge_bias(bias)
+    # A −inf bias (or a score modifier, which may return −inf) masks keys out: their weights
+    # must be exactly 0. Checked once per call; the no-bias path never pays for it.
+    blocked = score_mod is not None or (bias is not None and _holds_neg_inf(bias))
+    problem = Problem(
+        scale=scale,
+        rule=rule,
+        dense_mask=dense_mask,
+        score_mod=score_mod,
+        dropout_p=dropout_p,
+        keep=keep,
+        plan=plan,
+        skip=skip_blocks,
+        exact_masking=exact,
+        huge=huge,
+        blocked_scores=blocked,
+    )
+    return q, k, v, bias, problem
 
 
 def with_sinks(
@@ -357,8 +399,8 @@ def _empty(
     bias: torch.Tensor | None,
     return_lse: bool,
 ) -> Any:
-    """The result of a call with no batch element or no head: empty, but part of the graph
-    (its gradients are empty too)."""
+    """The result of a call with no batch element, head, query or key: zeros (a query with
+    no key attends to nothing), lse −inf, part of the graph (its gradients are zeros)."""
     batch, heads, q_len = query.shape[:3]
     out = query.new_zeros((batch, heads, q_len, value.shape[3]))
     inputs = [query, key, value] + ([] if bias is None else [bias])

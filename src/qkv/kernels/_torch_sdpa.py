@@ -32,7 +32,13 @@ import torch
 
 from qkv.masks import Mask, with_causal
 
-__all__ = ["TORCH_SDPA", "dense_mask_elements", "sdpa_attention"]
+__all__ = [
+    "TORCH_SDPA",
+    "dense_mask_elements",
+    "evaluate_rule",
+    "sdpa_attention",
+    "sdpa_trusted",
+]
 
 TORCH_SDPA: Any = getattr(
     torch._C._nn, "scaled_dot_product_attention", torch.nn.functional.scaled_dot_product_attention
@@ -95,6 +101,7 @@ def sdpa_attention(
     is_causal: bool = False,
     causal_alignment: str = "top-left",
     scale: float | None = None,
+    nan_rows: bool = True,
 ) -> torch.Tensor:
     """softmax(Q·Kᵀ·scale + bias, masked)·V by ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -104,6 +111,9 @@ def sdpa_attention(
             broadcastable to (B, H, Lq, Lk).
         bias: 4 dimensions, broadcastable to (B, H, Lq, Lk).
         is_causal, causal_alignment, scale: as in :func:`qkv.scaled_dot_product_attention`.
+        nan_rows: set the rows whose query (or every key) holds a NaN to NaN when no mask
+            array goes to torch (torch gives them zeros). False for a caller that checks
+            the output with :func:`sdpa_trusted`, which redoes any call with such a NaN.
 
     Returns:
         The context, (B, H, Lq, Dv).
@@ -128,7 +138,38 @@ def sdpa_attention(
         scale=scale,
         enable_gqa=enable_gqa,
     )
-    return out if attn_mask is not None else _nan_rows(out, query, key)
+    return _nan_rows(out, query, key) if nan_rows and attn_mask is None else out
+
+
+def sdpa_trusted(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    grad: bool,
+    value: torch.Tensor | None = None,
+) -> bool:
+    """Whether torch's output ``out`` of a call with a mask or a bias is qkv's result. It is
+    not when a NaN or ±inf of a masked-out key may have reached it (torch lets it through to
+    every output, and gives zeros to a row whose scores are all NaN), nor when a bias beyond
+    ±65536 comes with a gradient (``grad``: torch's backward is wrong on rows whose keys are
+    all blocked). Then the tiled kernel redoes the call. A ``value`` is checked too (for an
+    output computed from inputs whose NaN and ±inf were replaced by 0).
+
+    One reduction per tensor and one host synchronisation: a sum is finite only when every
+    entry is (a finite sum that overflows errs on the safe side).
+    """
+    from qkv.kernels._api import huge_bias
+
+    wide = torch.float64 if query.dtype == torch.float64 else torch.float32  # no overflow
+    with torch.no_grad():  # a look at the values, no part of any gradient
+        total = out.sum(dtype=wide) + query.sum(dtype=wide) + key.sum(dtype=wide)
+        if value is not None:
+            total = total + value.sum(dtype=wide)
+    if not math.isfinite(float(total)):  # NaN, ±inf or +inf − inf somewhere: not finite
+        return False
+    return not (grad and bias is not None and huge_bias(bias))
 
 
 def _nan_rows(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -142,11 +183,13 @@ def _nan_rows(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torc
     """
     # A row's sum is NaN when the row holds a NaN (or both +inf and −inf, whose scores are NaN
     # as well): one read of query and key, and small (B, H, Lq) results.
-    bad = torch.isnan(query.sum(dim=-1, keepdim=True))  # (B, H, Lq, 1)
+    batch, heads, q_len = query.shape[:3]
+    kv_heads = max(key.shape[1], 1)
+    bad = torch.isnan(query.sum(dim=-1))  # (B, H, Lq)
     dead = torch.isnan(key.sum(dim=-1)).all(dim=-1)  # (B, Hkv): every key has a NaN
-    dead = dead.repeat_interleave(query.shape[1] // max(key.shape[1], 1), dim=1)
-    bad = bad | dead[:, :, None, None]
-    return out.masked_fill(bad, math.nan)
+    # Query head h uses key/value head h // (H / Hkv): a view, no copy.
+    grouped = bad.view(batch, kv_heads, heads // kv_heads, q_len) | dead[:, :, None, None]
+    return out.masked_fill(grouped.view(batch, heads, q_len, 1), math.nan)
 
 
 def _torch_mask(
@@ -169,7 +212,7 @@ def _torch_mask(
     )
     allowed = None
     if rule is not None:
-        allowed = _evaluate(rule, query, key)
+        allowed = evaluate_rule(rule, query, key)
     if dense is not None:
         allowed = dense if allowed is None else allowed & dense
     if bias is None:
@@ -180,12 +223,22 @@ def _torch_mask(
     return additive, False
 
 
-def _evaluate(rule: Mask, query: torch.Tensor, key: torch.Tensor) -> Any:
-    """The rule on (B, H, Lq, Lk) index arrays; the result keeps the rule's own broadcast."""
+def evaluate_rule(rule: Mask, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The rule on (B, H, Lq, Lk) index arrays, as booleans of 4 dimensions that keep the
+    rule's own broadcast (key padding gives (B, 1, 1, Lk), a causal rule (1, 1, Lq, Lk)).
+
+    Example:
+        >>> from qkv import masks
+        >>> q = torch.zeros(2, 4, 3, 8)
+        >>> evaluate_rule(masks.causal(), q, q).shape
+        torch.Size([1, 1, 3, 3])
+    """
     device = query.device
     batch, heads, q_len, kv_len = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
     b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
     h = torch.arange(heads, device=device).view(1, -1, 1, 1)
     q = torch.arange(q_len, device=device).view(1, 1, -1, 1)
     kv = torch.arange(kv_len, device=device).view(1, 1, 1, -1)
-    return rule(b, h, q, kv, q_len, kv_len, torch_xp)
+    allowed = torch.as_tensor(rule(b, h, q, kv, q_len, kv_len, torch_xp), device=device)
+    allowed = allowed.to(torch.bool)
+    return allowed.reshape((1,) * (4 - allowed.ndim) + tuple(allowed.shape))

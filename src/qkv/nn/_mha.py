@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from qkv.attention import scaled_dot_product_attention
+from qkv.attention._compiled import run_eagerly
 from qkv.distributed import Layout
 from qkv.masks import alibi
 from qkv.nn._cache import KVCache
@@ -32,7 +33,7 @@ from qkv.nn._torch import read_torch
 from qkv.positional import ALiBi, RoPE, alibi_slopes, apply_rope
 from qkv.positional import resolve as resolve_positional
 from qkv.steps import WORDS
-from qkv.trace import Trace, current_trace, suspended
+from qkv.trace import Trace, blocks_open, current_trace, suspended
 
 __all__ = ["MultiHeadAttention"]
 
@@ -139,7 +140,7 @@ class MultiHeadAttention(nn.Module):
         vdim = embed_dim if vdim is None else positive(vdim, "vdim", "the value input width")
         if (
             isinstance(dropout, bool)
-            or not isinstance(dropout, int | float)
+            or not isinstance(dropout, (int, float))
             or not 0.0 <= dropout < 1.0
         ):
             raise ValueError(
@@ -315,7 +316,9 @@ class MultiHeadAttention(nn.Module):
             key: (B, Lk, Ek); default ``query`` (self-attention).
             value: (B, Lk, Ev); default ``key``.
             mask: boolean, **True = may attend**, of shape (Lq, Lk) or (B, H or 1, Lq, Lk),
-                or a :class:`qkv.masks.Mask`. Lk counts the cached tokens too.
+                or a :class:`qkv.masks.Mask`; or a float tensor of those shapes, added to
+                the scaled scores as a bias (torch's float ``attn_mask``: −inf blocks a
+                key). Lk counts the cached tokens too.
             key_padding_lengths: (B,) integers: batch element b attends only its first
                 ``lengths[b]`` keys (the rest is padding).
             is_causal: each query attends only to keys at its position or before. The queries
@@ -360,8 +363,27 @@ class MultiHeadAttention(nn.Module):
                 need_weights=need_weights,
             )
         args = (query, key, value, mask, key_padding_lengths, is_causal, cache, need_weights)
+        if not blocks_open():  # tracing off: one look at a list, which torch.compile reads too
+            return self._attend(*args, None)
+        if torch.compiler.is_compiling():  # a trace is recorded outside the compiled graph
+            return run_eagerly(self._traced, *args)  # type: ignore[no-any-return]
+        return self._traced(*args)
+
+    def _traced(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: MaskLike | None,
+        key_padding_lengths: torch.Tensor | Sequence[int] | None,
+        is_causal: bool,
+        cache: KVCache | None,
+        need_weights: bool,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The forward inside a tracing block: recorded when the layer is selected."""
+        args = (query, key, value, mask, key_padding_lengths, is_causal, cache, need_weights)
         trace = current_trace()
-        if trace is None:  # tracing off: one ContextVar lookup, nothing else
+        if trace is None:  # a block that records nothing here (suspended, another thread)
             return self._attend(*args, None)
         path = trace.layer_name(self)
         if not trace.records_layer(path):
@@ -421,7 +443,7 @@ class MultiHeadAttention(nn.Module):
             lk = int(k.shape[2])
         extra = int(k.shape[2]) - lk  # rows from add_bias_kv / add_zero_attn
 
-        allowed, causal_flag = combine_masks(
+        allowed, bias, causal_flag = combine_masks(
             mask,
             key_padding_lengths,
             is_causal,
@@ -446,7 +468,7 @@ class MultiHeadAttention(nn.Module):
             k,
             v,
             mask=allowed,
-            bias=None,
+            bias=bias,
             score_mod=score_mod,
             is_causal=causal_flag,
             causal_alignment="top-left" if lq == lk else "bottom-right",

@@ -120,7 +120,7 @@ def decode_text(step: DecodeStep, *, precision: int = 4, width: int = 80) -> str
     label = max(len("position"), *(len(f"{i} (new)") for i in range(len(tokens))))
     name = max(len("token"), *(len(t) for t in tokens))
     for h in range(step.heads):
-        head = "" if step.heads == 1 else f" (head {h + 1} of {step.heads})"
+        head = "" if step.heads == 1 else f" (head {h} of {step.heads} heads)"
         out += ["", f"The cache: the K and V rows so far, then the new token's{head}"]
         keys = [_vector(row, precision) for row in step.keys[h]]
         kw = max(len("k_j"), *(len(k) for k in keys))
@@ -179,7 +179,7 @@ def decode_markdown(step: DecodeStep, *, precision: int = 4) -> str:
     out = [f"## One decoding step with a KV cache: {markdown_escape(step.name)}", ""]
     out += [*_sentences(_intro(step, tokens), 80), ""]
     for h in range(step.heads):
-        head = "" if step.heads == 1 else f" (head {h + 1} of {step.heads})"
+        head = "" if step.heads == 1 else f" (head {h} of {step.heads} heads)"
         out += [f"### The cache{head}", "", "| position | token | k_j | v_j |", "|---|---|---|---|"]
         for j, token in enumerate(tokens):
             where = f"{j} (new)" if j == step.position else str(j)

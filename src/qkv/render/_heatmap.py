@@ -4,6 +4,8 @@ One panel per head, in a grid (one row per attention call when the trace spans s
 layers), the query tokens down the side and the key tokens along the bottom, the numbers in
 the cells when the matrix is small. Weights by default; scores or scaled scores on request.
 matplotlib is imported only here, when a picture is asked for, and draws off screen (Agg).
+Text from the trace (tokens, layer names, the title) is drawn as written: matplotlib's math
+parsing is off for it, so a token with ``$`` is neither a formula nor an error.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def heatmap(
             call that recorded ``step`` (one row of panels each).
         heads: 0-based heads to draw; default all. A trace that recorded only some heads
             (``qkv.tracing(heads=[2, 5])``) names them by their original numbers (2 and 5),
-            as the panel titles do (``head 3``, ``head 6``: numbered from 1).
+            as the panel titles do (``head 2``, ``head 5``).
         values: write the numbers in the cells; default only when Lq and Lk are at most 12.
         precision: decimals of those numbers.
         title: the title above the panels; default the step's title and the example's name.
@@ -135,7 +137,7 @@ def heatmap(
         ax.set_gid(f"qkv-panel-{panel.row + 1}-{panel.column + 1}")
         matrix = np.ma.masked_invalid(panel.matrix)
         image = ax.imshow(matrix, cmap=cmap, norm=norm, aspect="equal", interpolation="nearest")
-        ax.set_title(panel.title, fontsize=10)
+        ax.set_title(panel.title, fontsize=10, parse_math=False)
         _ticks(ax, panel)
         ax.set_xlabel("key")
         if panel.column == 0:
@@ -153,7 +155,10 @@ def heatmap(
         aspect=30 if flat else 20,
     )
     name = visible(str(trace.meta.get("name") or ""))
-    figure.suptitle(title if title is not None else TITLES[step] + (f": {name}" if name else ""))
+    figure.suptitle(
+        title if title is not None else TITLES[step] + (f": {name}" if name else ""),
+        parse_math=False,
+    )
     if path is not None:
         write_atomic(path, _encode(figure, suffix))
     return figure
@@ -213,11 +218,11 @@ def _panels(
     panels: list[_Panel] = []
     several = len(found) > 1
     for row, (index, recorded_step) in enumerate((i, s) for i, s in found if s is not None):
-        name = calls[index].layer or f"call {index + 1}"
+        name = calls[index].layer or f"call {index}"
         numbers = Heads(trace, calls[index]).numbers  # original head numbers, 0-based
         for column, head in enumerate(_heads(recorded_step, heads, numbers)):
             matrix, qs, ks = _matrix(trace, recorded_step, head)
-            title = f"head {numbers[head] + 1}" if _has_heads(recorded_step) else "single head"
+            title = f"head {numbers[head]}" if _has_heads(recorded_step) else "single head"
             panels.append(
                 _Panel(row, column, f"{name}, {title}" if several else title, matrix, qs, ks)
             )
@@ -299,6 +304,7 @@ def _ticks(ax: Any, panel: _Panel) -> None:
             [labels[i] for i in positions],
             fontsize=size,
             rotation=90 if rotate else 0,
+            parse_math=False,  # a token is shown as written: "$x$" is not a formula
         )
 
 

@@ -283,7 +283,7 @@ def _call_names(calls: list[TraceCall]) -> list[str]:
     names = []
     for position, (call, layer) in enumerate(zip(calls, layer_names, strict=True)):
         if layer is None:
-            names.append(f"call {call.index + 1}")
+            names.append(f"call {call.index}")
         elif layer_names.count(layer) > 1:
             names.append(f"{layer} (call {layer_names[: position + 1].count(layer)})")
         else:

@@ -49,8 +49,10 @@ def model_view(
         precision: decimals of the weights written in the maps' labels.
 
     Returns:
-        ``{"rows": [{"call", "name", "queries", "keys", "heads": [{"head", "title",
-        "shape", "max", "data", "top"}]}], "start": {"call", "head"} or None}``: ``data`` is
+        ``{"rows": [{"call", "name", "queries", "keys", "heads": [{"head", "number",
+        "title", "shape", "max", "data", "top"}]}], "start": {"call", "head"} or None}``:
+        ``head`` is the map's position among the call's recorded heads, ``number`` the
+        head's own (from 0, as the column header shows it); ``data`` is
         the pooled map as base64 bytes (0 to 255, 255 at its largest share ``max``), ``top``
         for each query row the key it attends to most and that weight.
 
@@ -108,12 +110,13 @@ def _row(
         "queries": label_id(queries),
         "keys": label_id(keys),
         "heads": [
-            _map(heads.select(weights, h), h, heads.title(h), precision) for h in range(heads.count)
+            _map(heads.select(weights, h), h, heads.numbers[h], heads.title(h), precision)
+            for h in range(heads.count)
         ],
     }
 
 
-def _map(matrix: np.ndarray, head: int, title: str, precision: int) -> dict[str, Any]:
+def _map(matrix: np.ndarray, head: int, number: int, title: str, precision: int) -> dict[str, Any]:
     values = np.atleast_2d(np.nan_to_num(np.asarray(matrix, dtype=np.float64), nan=0.0))
     pooled = _pool(np.where(np.isfinite(values), values, 0.0))
     largest = float(pooled.max()) if pooled.size else 0.0
@@ -122,6 +125,7 @@ def _map(matrix: np.ndarray, head: int, title: str, precision: int) -> dict[str,
     top = np.argmax(values, axis=1)
     return {
         "head": head,
+        "number": number,
         "title": title,
         "shape": list(data.shape),
         "max": round(largest, precision),

@@ -14,6 +14,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ from qkv._format import latex_escape, latex_visible, number, visible
 from qkv.render._model import Equation, Fact, Math, Narrative, Section, StepView, Table
 from qkv.render._vocabulary import TITLES, latex_formula, meaning, plain_formula
 from qkv.render._worked import WorkedLines
+from qkv.steps import LAYER_INPUT, WORDS
 from qkv.trace import Step, Trace, TraceCall
 
 __all__ = ["TITLES", "narrate"]
@@ -61,10 +63,10 @@ def narrate(trace: Trace, *, precision: int = 4) -> Narrative:
         prefix = ""
         if len(calls) > 1:
             layer = calls[index].layer
-            prefix = f"Call {index + 1} of {len(calls)}"
+            prefix = f"Call {index} of {len(calls)} calls"  # counted from 0, as everywhere
             prefix += f" ({layer})" if layer else ""
             if builder.batch and builder.batch > 1:
-                prefix += f", batch 1 of {builder.batch}"
+                prefix += f", batch element 0 of {builder.batch}"
         sections.extend(builder.sections(prefix))
     meta = trace.meta
     return _visible(
@@ -269,19 +271,27 @@ class Heads:
     def __init__(self, trace: Trace, call: TraceCall) -> None:
         steps = call.steps
         self.count = _size(steps, "head") or 1
-        self.kv_count = _size(steps, "kv_head") or self.count
+        kv_size = _size(steps, "kv_head")  # None: no key/value step recorded
+        self.kv_count = kv_size or self.count
         index, kv_index = _index(steps, "head"), _index(steps, "kv_head")
         if index is None or len(index) != self.count:
             # the whole call: positions are head numbers (as before any selection existed)
             self.numbers = list(range(self.count))
             self.total, self.kv_total = self.count, self.kv_count
-            per = max(1, self.count // self.kv_count)
+            if kv_size is None:  # no K or V step to count them: the call's facts say
+                total, kv = _head_totals(trace, call, [self.count - 1])
+                self.kv_total = kv if total == self.count and kv else self.count
+            per = max(1, self.count // self.kv_total)
             self.kv_numbers = [h // per for h in range(self.count)]
-            self._kv_rows = list(self.kv_numbers)
+            self._kv_rows = list(self.kv_numbers) if kv_size else [0] * self.count
             self.selected = False
             return
         self.numbers = index
         self.total, self.kv_total = _head_totals(trace, call, index)
+        if kv_size is not None and kv_index is None:
+            # K and V kept whole hold every key/value head: their count is the call's,
+            # whatever the facts say (older files gave the counts of the rows recorded)
+            self.kv_total = kv_size
         group = (
             self.total // self.kv_total
             if self.total and self.kv_total and self.total % self.kv_total == 0
@@ -309,11 +319,12 @@ class Heads:
         return step.select(head=position, batch=0)
 
     def title(self, position: int) -> str:
-        """``Head 3 of 4 (key/value head 2 of 2)``: the original numbers, from 1."""
-        of = f" of {self.total}" if self.total else ""
-        name = f"Head {self.numbers[position] + 1}{of}"
+        """``Head 2 of 4 heads (key/value head 1 of 2)``: the original numbers, counted from
+        0 as ``qkv.tracing(heads=...)`` and ``--head`` count them, and the call's counts."""
+        of = f" of {self.total} heads" if self.total else ""
+        name = f"Head {self.numbers[position]}{of}"
         if self.grouped and self.kv_numbers is not None:
-            name += f" (key/value head {self.kv_numbers[position] + 1} of {self.kv_total})"
+            name += f" (key/value head {self.kv_numbers[position]} of {self.kv_total})"
         return name
 
     def split(self, steps: Sequence[Step]) -> tuple[int, int] | None:
@@ -471,7 +482,7 @@ class _CallBuilder:
         if queries is not None:
             facts.append(queries)
         if self.batch and self.batch > 1:
-            text = f"element 1 of {self.batch} shown"
+            text = f"element 0 of {self.batch} shown"
             facts.append(Fact("batch", text, text))
         return facts
 
@@ -520,7 +531,7 @@ class _CallBuilder:
             given = number(float(rows[position, worked]), 2)
             head = ""
             if rows.shape[0] > 1 and position < len(self.head.numbers):
-                head = f"head {self.head.numbers[position] + 1}: "
+                head = f"head {self.head.numbers[position]}: "
             parts.append(f"{head}{row} gives {given} of its attention to the sink")
         if rows.shape[0] > 4:
             parts.append("…")
@@ -539,7 +550,7 @@ class _CallBuilder:
                 text += f" ({head.kv_total} key/value heads: {kind} attention)"
             parts.append(text)
         if head.selected:
-            parts.append(f"recorded: {_and([f'head {h + 1}' for h in head.numbers])}")
+            parts.append(f"recorded: {_and([f'head {h}' for h in head.numbers])}")
         text = "; ".join(parts)
         return Fact("heads", text, latex_escape(text))
 
@@ -602,8 +613,8 @@ class _CallBuilder:
                 StepView(
                     name=step.name,
                     number=self.numbers[id(step)],
-                    title=TITLES.get(step.name, step.name),
-                    formula=Math(plain_formula(step), self._latex_formula(step.name)),
+                    title=self._title(step),
+                    formula=Math(plain_formula(step), self._latex_formula(step)),
                     meaning=self._meaning(step),
                     table=self._table(step, value, axes),
                     equations=tuple(equations),
@@ -612,8 +623,18 @@ class _CallBuilder:
             )
         return views
 
+    def _layer_input(self, step: Step) -> bool:
+        """Whether ``step`` is the input a model's layer recorded (not token embeddings)."""
+        return step.name == "embeddings" and self.call.layer is not None
+
+    def _title(self, step: Step) -> str:
+        return LAYER_INPUT.title if self._layer_input(step) else TITLES.get(step.name, step.name)
+
     def _meaning(self, step: Step) -> str:
-        """The step's meaning; for the scaling step, what this run did."""
+        """The step's meaning; for the scaling step, what this run did; for a layer's input,
+        what a layer reads (unless the step says it itself)."""
+        if self._layer_input(step) and step.description in ("", WORDS["embeddings"].description):
+            return meaning(replace(step, description=LAYER_INPUT.description))
         _, mode, _ = self.scale
         if step.name == "scaled" and mode == "none":
             return (
@@ -624,7 +645,8 @@ class _CallBuilder:
             return "Scores multiplied by a chosen scale instead of 1/√d_k."
         return meaning(step)
 
-    def _latex_formula(self, name: str) -> str:
+    def _latex_formula(self, step: Step) -> str:
+        name = step.name
         scale, mode, d_k = self.scale
         if name == "scaled" and scale is not None:
             if mode == "sqrt_dk" and d_k:
@@ -636,10 +658,10 @@ class _CallBuilder:
                 return r"S' = S \quad \text{(no scaling)}"
             return rf"S' = S \times {float(scale):.4g}"
         if name in ("concat", "output"):
-            heads = self.head.total or "h"
-            concat = rf"\operatorname{{concat}}(C_1, \dots, C_{{{heads}}})"
+            last = self.head.total - 1 if self.head.total else "h-1"
+            concat = rf"\operatorname{{concat}}(C_0, \dots, C_{{{last}}})"
             return concat if name == "concat" else rf"O = {concat}\, W_o"
-        return latex_formula(name) or r"\text{" + latex_escape(name) + "}"
+        return latex_formula(step) or r"\text{" + latex_escape(name) + "}"
 
     # -- tables ----------------------------------------------------------------------------
 
@@ -657,7 +679,7 @@ class _CallBuilder:
             groups = (self.head.kv_total if step in ("W_k", "W_v") else self.head.total) or 1
             if groups > 1 and n % groups == 0:
                 per = n // groups
-                return [f"h{i // per + 1}.d{i % per + 1}" for i in range(n)]
+                return [f"h{i // per}.d{i % per + 1}" for i in range(n)]
         return [f"d{i + 1}" for i in range(n)]
 
     def _table(self, step: Step, value: np.ndarray, axes: tuple[str, ...]) -> Table:

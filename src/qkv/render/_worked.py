@@ -115,8 +115,12 @@ class WorkedLines:
             x = x[list(rows)]  # the embeddings of the query rows kept
         if x.shape[0] != q.shape[0]:
             return []
-        if w.shape != (x.shape[1], q.shape[1]) or not np.allclose(x @ w, q, rtol=1e-6, atol=1e-9):
-            return []  # several heads, a bias or a different source: nothing simple to show
+        if w.shape != (x.shape[1], q.shape[1]):
+            return []  # several heads, or a different source: nothing simple to show
+        with np.errstate(all="ignore"):  # a trace file's inf or NaN: no warning, no line
+            same = np.allclose(x @ w, q, rtol=1e-6, atol=1e-9)
+        if not same:
+            return []  # a bias, or numbers that do not make Q: nothing simple to show
         i, query = self.worked, self.query_labels[self.worked]
 
         def line(p: int) -> _Line:

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 from qkv.trace._calls import TraceCall
 from qkv.trace._check import MAX_TRACE_BYTES, TRACE_FORMAT, TRACE_VERSION, TraceFileError
-from qkv.trace._context import current_trace, resolve, suspended, tracing
+from qkv.trace._context import blocks_open, current_trace, resolve, suspended, tracing
 from qkv.trace._step import STEP_NAMES, Step
 from qkv.trace._trace import Trace
 
@@ -70,6 +70,7 @@ __all__ = [
     "Trace",
     "TraceCall",
     "TraceFileError",
+    "blocks_open",
     "current_trace",
     "resolve",
     "suspended",

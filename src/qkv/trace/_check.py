@@ -14,7 +14,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MAX_TRACE_BYTES", "TRACE_FORMAT", "TRACE_VERSION", "TraceFileError"]
+from qkv._format import visible
+
+__all__ = ["MAX_META_SIZE", "MAX_TRACE_BYTES", "TRACE_FORMAT", "TRACE_VERSION", "TraceFileError"]
 
 TRACE_FORMAT = "qkv-trace"
 TRACE_VERSION = 2
@@ -27,12 +29,20 @@ MAX_TRACE_BYTES = 1 << 28
 """The most bytes :meth:`Trace.load` reads (256 MiB): a larger file is refused before it is
 read. Record fewer layers, heads or queries to save a smaller trace."""
 
+MAX_META_SIZE = 1 << 20
+"""The largest head count or width (``num_heads``, ``d_k``, ...) a trace file's meta may
+give: 1,048,576, far above any model's."""
+
+WEIGHTS_SLACK = 1e-6
+"""How far outside [0, 1] a saved attention weight may lie (the rounding of its dtype)."""
+
 
 class TraceFileError(ValueError):
     """A saved trace that cannot be read: the file, the field and what was expected.
 
     The message reads ``"trace.json: steps[2].shape: expected a list of whole numbers, got
-    a text 'x'"``; the parts are also attributes.
+    a text 'x'"``; the parts are also attributes. The file's own text (keys, names, the
+    file's name) is escaped in the message (:func:`qkv._format.visible`).
 
     Attributes:
         problem: what is wrong.
@@ -46,7 +56,7 @@ class TraceFileError(ValueError):
         self.problem = problem
         self.field = field or None
         self.source = source
-        super().__init__(": ".join(p for p in (source, self.field, problem) if p))
+        super().__init__(visible(": ".join(p for p in (source, self.field, problem) if p)))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild_error, (self.problem, self.field, self.source))
@@ -59,6 +69,8 @@ def _rebuild_error(problem: str, field: str | None, source: str | None) -> Trace
 # -- checking a saved trace, field by field ------------------------------------------------
 
 _DTYPE_KINDS = "biuf"  # bool, signed and unsigned integers, floats
+_META_SIZES = ("num_heads", "num_kv_heads", "d_k", "d_v", "d_model")
+_LAYER_SIZES = ("num_heads", "num_kv_heads", "head_dim")
 _META_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "name": ((str,), "a text"),
     "description": ((str,), "a text"),
@@ -228,7 +240,55 @@ def _meta(value: Any, field: str = "meta") -> dict[str, Any]:
         _expect(query, (int, str), f"{field}.queries[{i}]", "a token or a position")
     for i, query in enumerate(meta.get("example_queries") or []):
         _expect(query, int, f"{field}.example_queries[{i}]", "a position")
+    for key in _META_SIZES:
+        _size(meta.get(key), f"{field}.{key}")
+    heads, kv = meta.get("num_heads"), meta.get("num_kv_heads")
+    if heads is not None and kv is not None and (kv > heads or heads % kv):
+        raise TraceFileError(
+            f"expected a number of key/value heads that divides num_heads ({heads}), got {kv}",
+            field=f"{field}.num_kv_heads",
+        )
+    for name, facts in (meta.get("layers") or {}).items():
+        where = f"{field}.layers.{name}"
+        _expect(facts, Mapping, where, "an object of the layer's facts")
+        for key in _LAYER_SIZES:
+            if facts.get(key) is not None:
+                _expect(facts[key], int, f"{where}.{key}", "a whole number")
+                _size(facts[key], f"{where}.{key}")
     return meta
+
+
+def _size(value: int | None, field: str) -> None:
+    """A head count or width of ``meta``: from 1 to :data:`MAX_META_SIZE` (None: absent)."""
+    if value is not None and not 1 <= value <= MAX_META_SIZE:
+        raise TraceFileError(
+            f"expected a whole number from 1 to {MAX_META_SIZE:,}, got {value:,}", field=field
+        )
+
+
+def _probabilities(value: np.ndarray, field: str) -> None:
+    """A ``weights`` step's numbers: probabilities, from 0 to 1 (a masked one is 0, never
+    NaN: qkv writes a row whose keys are all masked as zeros)."""
+    numbers = value.astype(np.float64, copy=False).reshape(-1)
+    bad = ~((numbers >= -WEIGHTS_SLACK) & (numbers <= 1 + WEIGHTS_SLACK))  # NaN is bad too
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise TraceFileError(
+            f"expected attention weights from 0 to 1 (each row of the softmax), got "
+            f"{_encode_number(float(numbers[i]))}",
+            field=f"{field}[{i}]",
+        )
+
+
+def _token_count(tokens: list[str] | None, key_lengths: set[int]) -> None:
+    """``tokens`` label the keys: as many as the keys of one of the calls (a KV-cache
+    decoding trace has fewer keys in its earlier calls)."""
+    if tokens is not None and key_lengths and len(tokens) not in key_lengths:
+        lengths = " or ".join(f"{n:,}" for n in sorted(key_lengths))
+        raise TraceFileError(
+            f"expected one token per key ({lengths}, as in the steps), got {len(tokens):,}",
+            field="tokens",
+        )
 
 
 def _encode(value: np.ndarray) -> Any:

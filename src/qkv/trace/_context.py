@@ -7,9 +7,16 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 from importlib import import_module
 
 from qkv.trace._select import int_selection, layer_selection, step_selection
-from qkv.trace._trace import Trace, current
+from qkv.trace._trace import Trace, blocks_open, current_or_none, using
 
-__all__ = ["current_trace", "register_model_adapter", "resolve", "suspended", "tracing"]
+__all__ = [
+    "blocks_open",
+    "current_trace",
+    "register_model_adapter",
+    "resolve",
+    "suspended",
+    "tracing",
+]
 
 ModelAdapter = Callable[[object, Trace], AbstractContextManager[None]]
 """Prepares a model of another library for ``tracing(model=...)``: names its attention
@@ -41,7 +48,7 @@ def _adapter_for(model: object) -> ModelAdapter | None:
 
 def current_trace() -> Trace | None:
     """The trace being recorded by an enclosing :func:`tracing` block, or None."""
-    return current.get()
+    return current_or_none()
 
 
 @contextmanager
@@ -103,6 +110,8 @@ def tracing(
         )
     if steps is not None:
         trace.record_steps = step_selection(steps)
+    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+        model = model._orig_mod  # torch.compile's wrapper: name the layers as in the model
     adapter = None if model is None else _adapter_for(model)
     if model is not None and adapter is None:
         trace._use_model(model)
@@ -115,11 +124,10 @@ def tracing(
     with ExitStack() as stack:
         if adapter is not None:
             stack.enter_context(adapter(model, trace))
-        token = current.set(trace)
         try:
-            yield trace
+            with using(trace):
+                yield trace
         finally:
-            current.reset(token)
             trace._finish()
 
 
@@ -137,13 +145,10 @@ def suspended() -> Iterator[None]:
         >>> len(t)
         0
     """
-    token = current.set(None)
-    try:
+    with using(None):
         yield
-    finally:
-        current.reset(token)
 
 
 def resolve(trace: Trace | None) -> Trace | None:
     """The trace to record into: the one given, else the enclosing :func:`tracing` block's."""
-    return trace if trace is not None else current.get()
+    return trace if trace is not None else current_or_none()

@@ -26,6 +26,7 @@ from qkv.trace._check import (
     _optional_text,
     _required,
     _short,
+    _token_count,
     _token_list,
 )
 from qkv.trace._step import Step
@@ -102,16 +103,20 @@ def read_parts(data: Any) -> tuple[dict[str, Any], list[CallInfo]]:
     steps = _expect(_required(data, "steps", ""), list, "steps", "a list of steps")
     infos = _call_infos(data) if version == 2 else []
     read = [Step.from_dict(s, field=f"steps[{i}]") for i, s in enumerate(steps)]
-    if infos:
+    if version == 2:  # every step's call is one of 'calls' (none when 'calls' is empty)
         read = [
             replace(step, call=_call_of(raw, len(infos), f"steps[{i}]"))
             for i, (raw, step) in enumerate(zip(steps, read, strict=True))
         ]
+    meta = _meta(data.get("meta"))
+    _whole_head_counts(infos, read, meta)
+    tokens = _token_list(data.get("tokens"), "tokens")
+    _token_count(tokens, {s.value.shape[s.axes.index("key")] for s in read if "key" in s.axes})
     parts = {
         "steps": read,
-        "tokens": _token_list(data.get("tokens"), "tokens"),
+        "tokens": tokens,
         "query_tokens": _token_list(data.get("query_tokens"), "query_tokens"),
-        "meta": _meta(data.get("meta")),
+        "meta": meta,
         "layers": chosen("layers", (str, int)),
         "heads": chosen("heads", (int,)),
         "queries": chosen("queries", (int,)),
@@ -135,12 +140,53 @@ def _call_infos(data: Mapping[str, Any]) -> list[CallInfo]:
     return infos
 
 
+def _whole_head_counts(infos: list[CallInfo], steps: list[Step], meta: dict[str, Any]) -> None:
+    """Give each call of selected rows its own ``num_heads`` and ``num_kv_heads`` again.
+
+    Files written before qkv kept a call's counts whole put the counts of the heads
+    recomputed for the selected rows there (``num_kv_heads: 4`` for a model of 2), and every
+    reader mapped query heads to the wrong key/value heads. Such a call still says which
+    inputs it had (``shapes``, the whole call's): the counts are read from there, and the
+    trace's own ``meta``, which repeated the last call's, follows.
+    """
+    with_heads = {s.call for s in steps if s.call is not None and {"head", "kv_head"} & set(s.axes)}
+    for position, info in enumerate(infos):
+        facts = info.meta
+        shapes = facts.get("shapes")
+        rows = facts.get("rows")  # a call of selected rows, recomputed beside a fast backend
+        if position not in with_heads or not isinstance(rows, Mapping):
+            continue
+        if not isinstance(shapes, Mapping):
+            continue
+        query, key = shapes.get("query"), shapes.get("key")
+        counts = [
+            shape[-3]
+            for shape in (query, key)
+            if isinstance(shape, list) and len(shape) >= 3 and _count(shape[-3])
+        ]
+        if len(counts) != 2 or counts[0] % counts[1]:
+            continue
+        before = (facts.get("num_heads"), facts.get("num_kv_heads"))
+        facts["num_heads"], facts["num_kv_heads"] = counts
+        if (
+            position == len(infos) - 1
+            and (meta.get("num_heads"), meta.get("num_kv_heads")) == before
+        ):
+            meta["num_heads"], meta["num_kv_heads"] = counts
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def _call_of(raw: Any, count: int, field: str) -> int | None:
     """A version-2 step's ``call``: the position of its call in ``calls``."""
     call = raw.get("call") if isinstance(raw, Mapping) else None
     if call is None:
         return None
     _expect(call, int, f"{field}.call", "a whole number (a position in 'calls')")
+    if count == 0:
+        raise TraceFileError(f"names call {call}, but 'calls' is empty", field=f"{field}.call")
     if not 0 <= call < count:
         raise TraceFileError(
             f"expected a position in 'calls', 0 to {count - 1}, got {call}", field=f"{field}.call"

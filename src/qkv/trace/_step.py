@@ -15,6 +15,7 @@ from qkv.trace._check import (
     _encode,
     _expect,
     _optional_text,
+    _probabilities,
     _required,
     _shape,
     _short,
@@ -127,6 +128,8 @@ class Step:
             )
         dtype = _dtype(data.get("dtype", "float64"), f"{field}.dtype")
         value = _values(_required(data, "value", field), shape, dtype, f"{field}.value")
+        if name == "weights":
+            _probabilities(value, f"{field}.value")
         index = None
         if data.get("index") is not None:
             given = _expect(data["index"], Mapping, f"{field}.index", "an object of axis: rows")

@@ -31,9 +31,39 @@ from qkv.trace._file import parse_json, read_parts, read_text
 from qkv.trace._select import PARAMETER_STEPS, RecordingState, and_list, row_labels, take
 from qkv.trace._step import Step
 
-__all__ = ["Trace", "current"]
+__all__ = ["Trace", "blocks_open", "current", "current_or_none", "using"]
 
 current: ContextVar[Trace | None] = ContextVar("qkv_trace", default=None)
+
+_OPEN: list[Trace | None] = []
+"""One entry per block that sets :data:`current` and is still open, in any thread. While it
+is empty no trace can be current, and :func:`current_or_none` answers without reading the
+context variable, which ``torch.compile`` cannot trace (it reads this list's length, and
+compiles again when a block opens)."""
+
+
+@contextmanager
+def using(trace: Trace | None) -> Iterator[None]:
+    """Make ``trace`` the current one (None: record nothing) inside the block."""
+    token = current.set(trace)
+    _OPEN.append(trace)  # list.append and pop are atomic: safe across threads
+    try:
+        yield
+    finally:
+        _OPEN.pop()
+        current.reset(token)
+
+
+def blocks_open() -> bool:
+    """Whether some tracing (or suspending) block is open, in any thread."""
+    return len(_OPEN) > 0
+
+
+def current_or_none() -> Trace | None:
+    """The current trace, or None; without a context-variable read when no block is open."""
+    return current.get() if _OPEN else None
+
+
 """The trace an enclosing ``qkv.tracing`` block (or a module's layer) records into."""
 
 _AFTER_CORE = ("concat", "W_o", "output")  # steps that close a multi-head call
@@ -422,11 +452,10 @@ class Trace:
             info["heads"] = self.selection("head", facts["num_heads"])
         self._open_call(name, explicit=True)  # one call record per forward of the module
         self._open_info().meta.update(facts)
-        token = current.set(self)
         try:
-            yield self
+            with using(self):
+                yield self
         finally:
-            current.reset(token)
             state.layer, state.call_heads = previous, previous_heads
             state.open = None
 
@@ -487,11 +516,12 @@ class Trace:
         parts = [f"recorded layers: {', '.join(names)}"]
         heads = next((info["heads"] for info in layers.values() if "heads" in info), None)
         if heads is not None:
-            # Heads as the section titles name them (Head 1 … Head H); query rows by the
-            # labels of the tables (the token, ``the#4`` when it repeats, ``t4`` without).
+            # Heads as the section titles name them (Head 0 … Head H−1, counted from 0 as
+            # ``heads=`` counts them); query rows by the labels of the tables (the token,
+            # ``the#4`` when it repeats, ``t4`` without).
             total = next(iter(layers.values())).get("num_heads")
-            of = f" of {total}" if total else ""
-            parts.append(f"{and_list(['head ' + str(h + 1) for h in heads])}{of}")
+            of = f" of {total} heads" if total else ""
+            parts.append(f"{and_list(['head ' + str(h) for h in heads])}{of}")
         if rows:
             parts.append(f"query rows {and_list(row_labels(self.tokens, rows))}")
         self.meta["description"] = "Recorded with qkv.tracing; " + "; ".join(parts) + "."

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from qkv._format import visible
+
 if TYPE_CHECKING:
     import torch
 
@@ -56,7 +58,7 @@ class CheckpointError(ValueError):
         text = f"{self.path}: {problem}" if self.path else problem
         if hint:
             text = f"{text.rstrip('.')}. Hint: {hint}"
-        super().__init__(text)
+        super().__init__(visible(text))  # the config's words and labels may hold anything
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (self.problem, self.path, self.hint))

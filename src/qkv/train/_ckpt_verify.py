@@ -11,16 +11,18 @@ naming the file or field, what was expected, what came, and a hint.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qkv._extras import require
 from qkv._read import FileLimitError, check_regular, json_value, read_bytes
+from qkv._train_settings import TrainSettings
 from qkv.train._ckpt_encoding import plain_json
 from qkv.train._ckpt_format import (
     DAMAGED,
@@ -53,6 +55,42 @@ RUN_TASKS = ("classify", "recall")
 """The tasks of ``qkv train``: a run's checkpoint config names one of them."""
 _SIZES = ("vocab_size", "num_classes", "embedding_dim")
 """Model settings that are sizes of stored tensors: each is at most their number of values."""
+
+_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "count": (lambda v: _whole(v) and v >= 1, "a whole number ≥ 1"),
+    "count or null": (lambda v: v is None or (_whole(v) and v >= 1), "a whole number ≥ 1"),
+    "seed": (lambda v: _whole(v) and 0 <= v < 2**64, "a whole number from 0 to 2**64 - 1"),
+    "flag": (lambda v: isinstance(v, bool), "true or false"),
+    "share": (lambda v: _number(v) and 0 < v < 1, "a number between 0 and 1"),
+    "text": (lambda v: isinstance(v, str), "a text"),
+    "text or null": (lambda v: v is None or isinstance(v, str), "a text or null"),
+}
+"""What each setting of a run's config may hold, and how the message says it."""
+
+_RUN_FIELDS: dict[str, dict[str, str]] = {
+    "": {"seed": "seed", "batch_size": "count"},
+    "classify": {
+        "source": "text",
+        "sentences": "count or null",
+        "text_column": "text",
+        "label_column": "text",
+        "group_column": "text or null",
+        "validation": "share",
+        "lowercase": "flag",
+        "max_length": "count",
+        "min_count": "count",
+    },
+    "recall": {"pairs": "count", "keys": "count", "values": "count", "validation_size": "count"},
+}
+"""The settings of a run that are read back (``""``: the config's own, else its ``data``'s)."""
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 # -- the files: manifest, sizes and hashes --------------------------------------------------
@@ -275,6 +313,48 @@ def check_run_config(checkpoint: Checkpoint) -> None:
             f"{model['vocab_size']} words (model.vocab_size)",
             f"{len(data['vocabulary'])} words",
         )
+    _check_settings(config, folder)
+
+
+def _check_settings(config: Mapping[str, Any], folder: Path) -> None:
+    """Every setting a run's config is read back for (evaluating, explaining, resuming):
+    its type and range, and for a recall run that its counts make its vocabulary."""
+    data = config["data"]
+    for section, fields in (("", _RUN_FIELDS[""]), ("data.", _RUN_FIELDS[config["task"]])):
+        values = config if not section else data
+        for key, kind in fields.items():
+            fits, expected = _KINDS[kind]
+            if key not in values and kind.endswith("or null"):
+                continue
+            if not fits(values.get(key)):
+                raise _config_error(folder, section + key, expected, values.get(key))
+    if config["task"] == "recall":
+        keys, values, pairs = data["keys"], data["values"], data["pairs"]
+        if keys + values != len(data["vocabulary"]) or values != len(data["labels"]):
+            raise _config_error(
+                folder,
+                "data.keys",
+                f"keys + values = {len(data['vocabulary'])} tokens (data.vocabulary), of "
+                f"which {len(data['labels'])} values (data.labels)",
+                f"{keys} keys and {values} values",
+            )
+        if pairs > keys:
+            raise _config_error(folder, "data.pairs", f"at most data.keys ({keys})", pairs)
+    if config.get("embeddings") is not None and not isinstance(config["embeddings"], dict):
+        raise _config_error(folder, "embeddings", "an object or null", config["embeddings"])
+    training = config.get("training", {})
+    if not isinstance(training, dict):
+        raise _config_error(folder, "training", "an object", training)
+    known = {f.name for f in dataclasses.fields(TrainSettings)}
+    try:
+        TrainSettings(**{k: v for k, v in training.items() if k in known})
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(
+            f"config.training: {str(error).rstrip('.')}",
+            path=folder,
+            hint="the checkpoint's config was changed after saving, or it is not from "
+            "'qkv train'; use another checkpoint of the run",
+        ) from None
 
 
 def check_resume_state(

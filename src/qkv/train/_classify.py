@@ -12,10 +12,11 @@ from __future__ import annotations
 import functools
 import json
 import os
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -145,6 +146,8 @@ def prepare_texts(
             for i in train_rows  # the vocabulary of the training rows only
         ]
         vocabulary = Vocabulary.from_texts(words, specials=(PAD, UNK), min_count=options.min_count)
+        if len(vocabulary) == 2:  # <pad> and <unk> alone: every word would be <unk>
+            _no_word_left(words, options.min_count)
         labels = tuple(sorted(set(texts.labels)))
     if len(labels) < 2:
         raise ValueError(
@@ -162,6 +165,21 @@ def prepare_texts(
         seed=options.seed,
     )
     return PreparedTexts(texts, train_rows, val_rows, vocabulary, labels, task)
+
+
+def _no_word_left(texts: Sequence[str], min_count: int) -> NoReturn:
+    """The error of a ``--min-count`` that leaves no word in the vocabulary."""
+    counts = Counter(word for text in texts for word in text.split())
+    if not counts:
+        raise ValueError(
+            "the training texts hold no word. Hint: check --text-column, or the data file"
+        )
+    word, most = counts.most_common(1)[0]
+    raise ValueError(
+        f"--min-count {min_count}: expected a count some word reaches, but the most "
+        f"frequent word of the training texts ({word!r}) appears {most:,} times, so every "
+        f"word would be {UNK}. Hint: --min-count {most} or lower (the default is 1)"
+    )
 
 
 def build_classifier(

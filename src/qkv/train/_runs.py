@@ -41,7 +41,14 @@ from qkv.train._classify import (
 )
 from qkv.train._loop import FitResult, StepInfo, fit
 from qkv.train._models import RecallModel
-from qkv.train._resolve import qkv_version, resolve, saved_config, training_settings
+from qkv.train._resolve import (
+    option_name,
+    qkv_version,
+    resolve,
+    saved_config,
+    training_settings,
+)
+from qkv.train._size import check_classify, check_recall
 from qkv.train._tasks import RecallTask
 from qkv.train._text import GENERATED, LabelledTexts
 
@@ -57,7 +64,16 @@ Callbacks = Sequence[Callable[[StepInfo], None]]
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python's, NumPy's and PyTorch's random generators (what ``--seed`` does)."""
+    """Seed Python's, NumPy's and PyTorch's random generators (what ``--seed`` does).
+
+    Raises:
+        ValueError: ``seed`` is not a whole number from 0 to 2**64 - 1 (what PyTorch takes).
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(
+            f"--seed {seed}: expected a whole number from 0 to 2**64 - 1, got {seed!r}. "
+            "Hint: e.g. --seed 0"
+        )
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -123,6 +139,7 @@ def train_recall(
         "seed": seed,
     }
     options = _recall_options(given, saved)
+    check_recall(options)  # before anything is allocated
     settings = training_settings(training, saved, RECALL_TRAINING)
     task = _recall_task(options)
     seed_everything(options.seed)
@@ -152,7 +169,26 @@ def train_recall(
 def _recall_options(given: Mapping[str, Any], saved: Mapping[str, Any] | None) -> RecallSettings:
     """Each given value, else the resumed run's, else :class:`RecallSettings`' default."""
     was = None if saved is None else {**saved["data"], **saved["model"], **saved}
-    return RecallSettings(**resolve(given, was, asdict(RecallSettings())))
+    options = RecallSettings(**resolve(given, was, asdict(RecallSettings())))
+    _check_heads(options.num_heads, options.d_model, option_name("d_model"))
+    if options.pairs > options.keys:
+        raise ValueError(
+            f"{option_name('pairs')} {options.pairs}: expected at most {option_name('keys')} "
+            f"({options.keys}) pairs, got {options.pairs}. Hint: the keys of a sequence are "
+            f"all different; use --pairs {options.keys} or fewer, or more --keys"
+        )
+    return options
+
+
+def _check_heads(heads: int, width: int, what: str) -> None:
+    """``--heads`` must divide the model's width (``what``: where the width comes from)."""
+    if width % heads:
+        fits = ", ".join(str(h) for h in range(1, min(width, 64) + 1) if width % h == 0)
+        raise ValueError(
+            f"{option_name('num_heads')} {heads}: expected a number of heads that divides "
+            f"{what} ({width}), got {heads}. Hint: each head takes an equal share of the "
+            f"width; choose one of {fits}"
+        )
 
 
 def _recall_task(options: RecallSettings) -> RecallTask:
@@ -284,12 +320,16 @@ def train_classifier(
     settings = training_settings(training, saved, CLASSIFY_TRAINING)
     columns = {"text_column": text_column, "label_column": label_column}
     options = with_columns(options, {**columns, "group_column": group_column}, saved)
+    check_classify(options)  # before the data is read
     prepared = prepare_texts(data, options, saved)
     vectors = pretrained(
         embeddings, prepared.vocabulary, given_dim=embedding_dim, seed=options.seed, saved=saved
     )
     if vectors is not None:
         options = replace(options, embedding_dim=vectors[0].shape[1])
+    if options.model == "attention":
+        width = "the word vectors' width" if vectors is not None else option_name("embedding_dim")
+        _check_heads(options.num_heads, options.embedding_dim, width)
     frozen = freeze_choice(freeze, vectors is not None or (saved or {}).get("embeddings"), saved)
     seed_everything(options.seed)
     net, extra = build_classifier(options, prepared, vectors, frozen, saved, out)

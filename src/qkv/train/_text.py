@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from qkv._format import visible
 from qkv._read import FileLimitError, json_lines, json_value, read_bytes
 
 __all__ = [
@@ -56,7 +57,7 @@ class DataError(ValueError):
         text = f"{where}: {problem}"
         if hint:
             text = f"{text.rstrip('.')}. Hint: {hint}"
-        super().__init__(text)
+        super().__init__(visible(text))  # a label or column name from the file, escaped
 
 
 def tokenize(text: str, *, lowercase: bool = True) -> list[str]:

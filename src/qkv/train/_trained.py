@@ -74,11 +74,12 @@ def load_trained(path: str | os.PathLike[str]) -> Trained:
         vocabulary = Vocabulary(data["vocabulary"])
         labels = tuple(data["labels"])
         model = build_model(model_config)
-    except (KeyError, TypeError, ValueError) as error:
+    except (KeyError, TypeError, ValueError) as error:  # the model's own checks of its settings
+        problem, _, hint = str(error).partition(" Hint: ")
         raise CheckpointError(
-            f"the checkpoint's config does not describe a qkv training run ({error})",
+            f"config.model: {problem.rstrip('.')}",
             path=checkpoint.path,
-            hint="give the --out folder of 'qkv train'",
+            hint=hint.rstrip(".") or "give the --out folder of 'qkv train'",
         ) from None
     expected = model.state_dict()
     wrong = sorted(

@@ -104,7 +104,7 @@
       }),
       el("div", { class: "decode-nav", role: "group", "aria-label": "Decoding step" }, [
         view.prev,
-        el("label", {}, ["Step ", view.pick]),
+        el("label", {}, ["New token at position ", view.pick]),
         view.next,
       ]),
       view.body
@@ -133,7 +133,7 @@
     if (view.pick.options.length !== names.length || view.names !== names) {
       view.names = names;
       view.pick.replaceChildren(
-        ...names.map((t, p) => el("option", { value: p, text: p + 1 + " of " + names.length + ": " + t }))
+        ...names.map((t, p) => el("option", { value: p, text: p + ": " + t }))
       );
     }
     render();
@@ -150,7 +150,7 @@
     view.next.disabled = p === names.length - 1;
     const cache = el("table", { class: "cache" });
     cache.append(
-      el("caption", { class: "visually-hidden", text: "The cache after step " + (p + 1) }),
+      el("caption", { class: "visually-hidden", text: "The cache after position " + p }),
       el("thead", {}, [
         el("tr", {}, ["token", "k (cached key)", "v (cached value)", ""].map((t) => el("th", { scope: "col", text: t }))),
       ])
@@ -188,7 +188,7 @@
     view.body.replaceChildren(
       el("p", {
         text:
-          "Step " + (p + 1) + ": the cache holds " + (p + 1) + " row" + (p ? "s" : "") +
+          "Position " + p + ": the cache holds " + (p + 1) + " row" + (p ? "s" : "") +
           " of K and of V (" + (p ? "tokens " + names[0] + " … " + names[p] : "token " + names[0]) +
           "); the new row is “" + query + "”.",
       }),
@@ -198,7 +198,7 @@
         class: "note",
         text:
           "Bottom-right alignment: the one new query lines up with the last cached key, so " +
-          "it sees all " + (p + 1) + " of them, as row " + (p + 1) + " of the causal mask does.",
+          "it sees all " + (p + 1) + " of them, as row " + p + " of the causal mask does.",
       }),
       el("div", { class: "scroll" }, [weights]),
       el("p", { class: "eq", text: "c_" + query + " = " + vector(s.context) }),
@@ -209,7 +209,7 @@
       el("p", {
         class: "note same",
         text:
-          "Equal to the last row of the full causal computation over tokens 1 … " + (p + 1) +
+          "Equal to the last row of the full causal computation over positions 0 … " + p +
           ": largest difference " + s.weightsDifference.toExponential(1) + " (weights), " +
           s.contextDifference.toExponential(1) + " (context).",
       })

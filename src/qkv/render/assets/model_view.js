@@ -140,7 +140,12 @@
       el("span", { class: "mv-corner", role: "columnheader", text: "layer \\ head" }),
     ]);
     for (let h = 0; h < most; h += 1) {
-      header.append(el("span", { class: "mv-head", role: "columnheader", text: String(h + 1) }));
+      // the head's own number (from 0, as everywhere on the page) when every layer agrees
+      const numbers = new Set(
+        view.rows.filter((row) => h < row.heads.length).map((row) => row.heads[h].number)
+      );
+      const text = numbers.size === 1 ? String([...numbers][0]) : "";
+      header.append(el("span", { class: "mv-head", role: "columnheader", text: text }));
     }
     grid.append(header);
     view.rows.forEach((row, r) => {

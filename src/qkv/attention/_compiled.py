@@ -1,0 +1,155 @@
+"""Attention under ``torch.compile``: what the graph holds, and what runs outside it.
+
+Shape legend: B batch, H query heads, Lq / Lk query / key length, Dv value dim.
+
+While ``torch.compile`` traces a call (``fullgraph=True`` included), the dispatcher decides
+from shapes, dtypes and options alone, and reads no value:
+
+- a qkv mask rule becomes a boolean tensor of the rule's own broadcast shape ((B, 1, 1, Lk)
+  for key padding), an additive score modifier (ALiBi) a bias (``positional_bias``);
+  causality stays a flag;
+- when torch's fused SDPA can run the call (:func:`~qkv.attention._backends.sdpa_static_refusal`),
+  it runs in the graph. With a mask or a bias, its output is the *candidate* of the tiled
+  kernel's operator, which keeps it when the eager sdpa backend would (no NaN or ±inf
+  reached it, no huge bias with a gradient) and else redoes the call
+  (:mod:`qkv.kernels._tiled_ops`; when a gradient is wanted, SDPA then sees the inputs with
+  NaN and ±inf replaced by 0, so that its backward stays finite on a redone call);
+- else the tiled kernel runs as that operator (dropout, sinks, masks too large for SDPA): an
+  eager island, whose backward is the kernel's own;
+- the rest runs outside the graph, as a graph break that ``fullgraph=True`` reports with
+  its reason: weights asked for (the reference forms them), a backend torch.compile cannot
+  trace (``reference``, ``flex``), more than four dimensions, a trace.
+
+Every path computes what the eager dispatcher computes; only which fast backend runs a call
+may differ (on CUDA, auto's eager choice of compiled FlexAttention for a rule becomes SDPA
+on the evaluated mask).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from qkv._array import Array
+from qkv.attention._backends import (
+    four,
+    four_mask,
+    needs_grad,
+    refusal_error,
+    sdpa_checked,
+    sdpa_output,
+    sdpa_static_refusal,
+    three,
+    tiled_refusal,
+)
+from qkv.attention._options import Call
+from qkv.kernels._tiled_ops import finite, tiled_in_graph
+from qkv.masks import Mask
+
+__all__ = ["outside_graph", "run_compiled", "run_eagerly"]
+
+
+def _run_eagerly(function: Any, *args: Any, **kwargs: Any) -> Any:
+    return function(*args, **kwargs)
+
+
+def _outside_graph(function: Any, call: Call, backend: str) -> Any:
+    seed = call.options.seed
+    if isinstance(seed, torch.Tensor):
+        call = replace(call, options=replace(call.options, seed=int(seed.item())))
+    return function(call, backend)
+
+
+run_eagerly: Callable[..., Any] = torch.compiler.disable(  # type: ignore[no-untyped-call]
+    _run_eagerly,
+    reason="qkv.tracing records eager calls: a traced call runs outside the compiled graph",
+)
+"""``function(*args, **kwargs)`` outside the compiled graph, for a trace (a graph break;
+with ``fullgraph=True`` torch.compile raises and says why)."""
+
+outside_graph: Callable[[Any, Call, str], Any] = torch.compiler.disable(  # type: ignore[no-untyped-call]
+    _outside_graph,
+    reason="qkv runs this attention call eagerly: the weights are asked for, or its backend "
+    "(reference, flex) or layout (more than 4 dimensions) has no compiled form",
+)
+"""``function(call, backend)`` outside the compiled graph, the dropout seed drawn in the
+graph read as a number (a graph break, as :data:`run_eagerly`)."""
+
+
+def run_compiled(call: Call, backend: str) -> tuple[Array, Array | None] | None:
+    """Run ``call`` (torch tensors, no trace) while torch.compile traces it; returns
+    (context, None) in the call's layout, or None when the call must run outside the graph
+    (:func:`outside_graph`).
+
+    Raises:
+        ValueError: ``backend`` is ``"sdpa"`` or ``"tiled"`` and cannot run the call (as
+            without torch.compile).
+    """
+    call = _static(call)
+    if backend in ("auto", "sdpa"):
+        why = sdpa_static_refusal(call, backend == "auto")
+        if why is None:
+            if not sdpa_checked(call):
+                return three(sdpa_output(call), call.lead), None
+            source = call
+            if needs_grad(call):  # torch's backward must not see a NaN of a redone call
+                source = replace(
+                    call, query=finite(call.query), key=finite(call.key), value=finite(call.value)
+                )
+            candidate = sdpa_output(source)  # (B, H, Lq, Dv)
+            return three(_tiled(call, candidate=candidate), call.lead), None
+        if backend == "sdpa":
+            raise refusal_error(backend, why)
+    if backend in ("auto", "tiled"):
+        why = tiled_refusal(call)
+        if why is None:
+            return three(_tiled(call, candidate=None), call.lead), None
+        if backend == "tiled":
+            raise refusal_error(backend, why)
+    return None
+
+
+def _static(call: Call) -> Call:
+    """The call with a mask rule as a boolean tensor; a score modifier left here is not
+    additive (ALiBi became a bias in ``positional_bias``) and cannot enter the graph."""
+    options = call.options
+    modifier = options.score_mod
+    if modifier is not None:
+        raise TypeError(
+            f"score_mod={modifier!r} under torch.compile: only an additive modifier (ALiBi) "
+            "becomes a bias in the graph. Hint: compile torch's flex_attention with it, or "
+            "run this call outside the compiled code (torch.compiler.disable)."
+        )
+    mask = options.mask
+    if not isinstance(mask, Mask):
+        return call
+    from qkv.kernels._torch_sdpa import evaluate_rule
+
+    q4, k4 = four(call.query, call.lead), four(call.key, call.lead)
+    allowed = three(evaluate_rule(mask, q4, k4), call.lead)  # the call's layout
+    return replace(call, options=replace(options, mask=allowed))
+
+
+def _tiled(call: Call, *, candidate: torch.Tensor | None) -> torch.Tensor:
+    """The call on the tiled kernel's operator (keeping sdpa's ``candidate`` when it can):
+    the context (B, H, Lq, Dv)."""
+    options = call.options
+    seed = options.seed
+    return tiled_in_graph(
+        four(call.query, call.lead),
+        four(call.key, call.lead),
+        four(call.value, call.lead),
+        mask=four_mask(options.dense_mask, call),
+        bias=four_mask(options.bias, call),
+        sinks=options.sinks,
+        seed=seed if isinstance(seed, torch.Tensor) else None,
+        candidate=candidate,
+        is_causal=options.is_causal,
+        causal_alignment=options.causal_alignment,
+        scale=options.scale_for(int(call.query.shape[-1])),
+        dropout_p=options.dropout_p,
+        grad=needs_grad(call),
+    )
