@@ -7,10 +7,7 @@ memory and a time limit, so that a failure cannot take the test run down.
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +19,7 @@ import qkv
 from qkv import masks
 from qkv.distributed import ring_attention
 from qkv.kernels import tiled_attention
+from tests.support.isolated import run_code_isolated
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -192,32 +190,12 @@ def test_empty_sequences_give_empty_or_zero_results() -> None:
 # -- sizes: check before allocating (issue 24 §4) --------------------------------------------
 
 
-def run_limited(code: str, *, memory_gib: int = 3, seconds: float = 120) -> dict[str, Any]:
-    """Run ``code`` (which sets ``result``, a dict) in a child process with ``memory_gib``
-    of address space and a time limit; the result, or the child's error as one line."""
-    program = (
-        "import json, resource, sys\n"
-        f"resource.setrlimit(resource.RLIMIT_AS, ({memory_gib} << 30, {memory_gib} << 30))\n"
-        "try:\n"
-        + "".join(f"    {line}\n" for line in code.strip().splitlines())
-        + "except BaseException as error:\n"
-        "    result = {'error': type(error).__name__, 'message': str(error)}\n"
-        "print(json.dumps(result))\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", program], capture_output=True, text=True, timeout=seconds
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    found: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
-    return found
-
-
 @pytest.mark.slow
 def test_ten_million_stride_zero_tokens_are_refused_before_anything_is_allocated() -> None:
     """A stride-0 input of 10⁷ tokens (64 bytes of data) with sliding_window(0) made the
     block plan ask for 22.7 GiB (numpy's ArrayMemoryError); now one line with the number of
     blocks, under 3 GiB of address space and in well under a second of work."""
-    result = run_limited(
+    result = run_code_isolated(
         """
 import torch, qkv
 x = torch.randn(1, 1, 1, 16).expand(1, 1, 10**7, 16)
