@@ -17,6 +17,7 @@ import torch
 
 import qkv
 from qkv import masks
+from qkv.attention._backends import BackendName
 from qkv.nn import MultiHeadAttention, TransformerBlock
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -134,7 +135,7 @@ def test_the_public_function_compiles_whole() -> None:
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "tiled"])
-def test_the_compiled_output_follows_the_querys_memory_layout(backend: str) -> None:
+def test_the_compiled_output_follows_the_querys_memory_layout(backend: BackendName) -> None:
     """A query made as x.view(B, L, H, D).transpose(1, 2): the output has the query's order
     of strides, compiled as eagerly (issue 25 §4.2), so the view back to (B, L, H·D) needs
     no copy; the tiled kernel's operator itself returns a contiguous output, as its fake

@@ -37,6 +37,7 @@ from torch.nn.attention.flex_attention import (
 from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
 import qkv
+from qkv.attention._backends import BackendName
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),
@@ -193,7 +194,7 @@ def run_test(
     results = [(got, *torch.autograd.grad(got, inputs, grad_out))]
     for dtype in (F64, F32):
         leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
-        out, _ = dense(*leaves, score_mod, mask_mod)
+        out, _ = dense(leaves[0], leaves[1], leaves[2], score_mod, mask_mod)
         results.append((out, *torch.autograd.grad(out, leaves, grad_out.to(dtype))))
     ours, golden, ref = results
     for name, g, r, o in zip(("out", "dq", "dk", "dv"), golden, ref, ours, strict=True):
@@ -619,7 +620,7 @@ def test_learnable_bias_with_all_ones_inputs(name: str, low: torch.dtype) -> Non
 )
 @pytest.mark.parametrize("level", [0.05, 0.3, 1.0, 2.5, 6.0, 12.0])
 def test_equal_scores_are_exact_as_in_the_reference(
-    level: float, backend: str, length: int
+    level: float, backend: BackendName, length: int
 ) -> None:
     """Every score of a row equal (constant queries and keys; each score level² · √D): the
     weights are equal, so with values of 1 the output is exactly 1, dQ and dK exactly 0, and
