@@ -15,6 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from qkv import masks
+from qkv._array import DtypeMismatchError
 from qkv.attention import (
     explain_dispatch,
     merge_heads,
@@ -49,6 +50,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "STEP_NAMES",
+    "DtypeMismatchError",
     "Step",
     "Trace",
     "__version__",

@@ -13,6 +13,7 @@ Dtype policy:
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -166,3 +167,59 @@ def to_numpy(x: Array) -> np.ndarray:
 def shape_str(shape: Sequence[int]) -> str:
     """``(2, 3)`` for a shape, ``()`` for a scalar: how shapes appear in messages."""
     return "(" + ", ".join(str(int(n)) for n in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+class DtypeMismatchError(TypeError, ValueError):
+    """Inputs that must share one dtype (query, key and value) do not.
+
+    Both a ``TypeError`` (qkv's convention for a wrong dtype) and a ``ValueError`` (what
+    ``torch.nn.attention.flex_attention`` raises for the same mistake, and what its tests
+    expect), so that code written against either catches it, as NumPy's ``AxisError`` is
+    both a ``ValueError`` and an ``IndexError``.
+    """
+
+
+def check_scale(scale: object) -> None:
+    """``scale`` is None (meaning 1/√d_k) or a finite real number; NaN or ±inf would make
+    every score, and so every output, NaN."""
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale)
+    ):
+        raise TypeError(
+            f"scale must be a finite number or None (meaning 1/√d_k), got {scale!r}. "
+            "Hint: scale=1.0 means no scaling."
+        )
+
+
+def like_layout(out: Array, like: Array) -> Array:
+    """``out`` laid out in memory as ``like`` is: the same order of axes by stride, as
+    PyTorch's SDPA and flex_attention lay out their output after the query. A copy only
+    when the layouts differ; NumPy arrays come back as they are.
+
+    A query ``x.view(B, L, H, D).transpose(1, 2)`` gives an output that
+    ``.transpose(1, 2).view(B, L, H * D)`` takes without a copy. Axes of equal stride keep
+    their order as torch orders them (the later axis inner); the last axis stays innermost.
+
+    Example:
+        >>> import torch
+        >>> query = torch.zeros(2, 5, 3, 4).transpose(1, 2)         # (B, H, L, D), L outer
+        >>> like_layout(torch.ones(2, 3, 5, 4), query).stride()
+        (60, 4, 12, 1)
+    """
+    if library(out) != "torch" or library(like) != "torch" or out.ndim != like.ndim:
+        return out
+    ndim = out.ndim
+    order = sorted(range(ndim), key=lambda axis: (like.stride(axis), -axis))  # inner first
+    if order[0] != ndim - 1:
+        order.remove(ndim - 1)
+        order.insert(0, ndim - 1)
+    strides = [0] * ndim
+    step = 1
+    for axis in order:
+        strides[axis] = step
+        step *= int(out.shape[axis])
+    if list(out.stride()) == strides:
+        return out
+    laid_out = out.new_empty_strided(tuple(out.shape), tuple(strides))
+    laid_out.copy_(out)
+    return laid_out

@@ -192,6 +192,40 @@ def test_scores_far_from_zero_give_the_same_weights(offset: float, dtype: torch.
     torch.testing.assert_close(lse.double(), torch.logsumexp(scores, -1), rtol=0, atol=tolerance)
 
 
+@pytest.mark.parametrize("block", [16, None])
+def test_a_row_with_one_allowed_key_gets_its_value_to_the_bit(block: int | None) -> None:
+    """A query that may attend one key only (every row of sliding_window(0), the first row
+    under a causal mask) has weight exactly 1 there, and the reference's output is that
+    key's value itself. With the shift held at 0 the kernel gave exp(s)·v / exp(s), which
+    misses v in about one entry of ten; with the row's score as its shift it is exact."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 80, 8, generator=g) * 3 for _ in "qkv")
+    window = tiled_attention(q, k, v, mask=masks.sliding_window(0), block_q=block, block_kv=block)
+    assert torch.equal(window, v)
+    causal = tiled_attention(q, k, v, is_causal=True, block_q=block, block_kv=block)
+    assert torch.equal(causal[:, :, 0], v[:, :, 0])
+
+
+def test_rows_of_equal_scores_under_a_mask_are_exact_as_in_the_reference() -> None:
+    """Equal scores under a window and a bias that is constant along each row: the weights
+    of a row are equal, so with L allowed keys (a power of 2 here) each is exactly 1/L in
+    the reference, the context is the exact mean of its values, and dV is exact (dQ and
+    dK are 0 in exact arithmetic and rounding noise in both)."""
+    q = torch.full((1, 2, 64, 4), 0.7, requires_grad=True)
+    k = torch.full((1, 2, 64, 4), -1.3, requires_grad=True)
+    v = torch.arange(64.0).repeat(1, 2, 4, 1).transpose(-1, -2).contiguous()
+    v.requires_grad_(True)
+    bias = torch.linspace(-3, 3, 64)[:, None].expand(64, 64)  # one level per row
+    window = masks.sliding_window(15)  # rows from 15 on see 16 keys
+    runs = []
+    for run in (tiled_attention, reference_attention):
+        out = run(q, k, v, mask=window, bias=bias)
+        runs.append((out, *torch.autograd.grad(out.sum(), (q, k, v))))
+    (got, _, _, got_dv), (expected, _, _, expected_dv) = runs
+    assert torch.equal(got[:, :, 15:], expected[:, :, 15:])
+    assert torch.equal(got_dv[:, :, 16:], expected_dv[:, :, 16:])  # keys seen by 16 rows
+
+
 def test_values_whose_weighted_sum_overflows_without_the_max_still_come_out_finite() -> None:
     q, k = (torch.randn(1, 1, 16, 4) for _ in "qk")
     v = torch.randn(1, 1, 16, 4) * 1e30

@@ -17,6 +17,7 @@ import torch
 
 import qkv
 from qkv import masks
+from qkv.attention._backends import BackendName
 from qkv.nn import MultiHeadAttention, TransformerBlock
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -131,6 +132,28 @@ def test_the_public_function_compiles_whole() -> None:
 
     got = torch.compile(attend, fullgraph=True, backend="aot_eager")(q, k, v)
     torch.testing.assert_close(got, attend(q, k, v), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "tiled"])
+def test_the_compiled_output_follows_the_querys_memory_layout(backend: BackendName) -> None:
+    """A query made as x.view(B, L, H, D).transpose(1, 2): the output has the query's order
+    of strides, compiled as eagerly (issue 25 §4.2), so the view back to (B, L, H·D) needs
+    no copy; the tiled kernel's operator itself returns a contiguous output, as its fake
+    implementation says."""
+    x = torch.randn(2, 6, 4 * 8)
+    q = x.view(2, 6, 4, 8).transpose(1, 2)
+
+    def attend(q: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = qkv.scaled_dot_product_attention(
+            q, q, q, dropout_p=0.0, is_causal=True, backend=backend
+        )
+        return out
+
+    eager = attend(q)
+    got = torch.compile(attend, fullgraph=True, backend="aot_eager")(q)
+    torch.testing.assert_close(got, eager, atol=1e-6, rtol=1e-6)
+    assert got.stride() == eager.stride() == (192, 8, 32, 1)
+    assert got.transpose(1, 2).view(2, 6, 32).shape == (2, 6, 32)
 
 
 def test_values_the_graph_cannot_read_are_checked_when_it_runs() -> None:

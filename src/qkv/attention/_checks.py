@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 from qkv._array import (
     Array,
+    DtypeMismatchError,
     as_array,
+    check_scale,
     dtype_name,
     is_bool,
     is_floating,
@@ -41,7 +42,7 @@ def check_same_dtype(arrays: Sequence[tuple[str, Array]]) -> None:
     first_name, first = arrays[0]
     for name, a in arrays[1:]:
         if a.dtype != first.dtype and dtype_name(a) != dtype_name(first):
-            raise TypeError(
+            raise DtypeMismatchError(
                 f"{first_name} is {dtype_name(first)} but {name} is {dtype_name(a)}: query, key "
                 "and value must share one dtype. Hint: cast them to one dtype first."
             )
@@ -241,13 +242,7 @@ def _legend(ndim: int) -> str:
 
 
 def check_options(scale: Any, dropout_p: Any, causal_alignment: Any) -> None:
-    if scale is not None and (
-        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
-    ):
-        raise TypeError(
-            f"scale must be a finite number or None (meaning 1/√d_k), got {scale!r}. "
-            "Hint: scale=1.0 means no scaling."
-        )
+    check_scale(scale)
     if (
         isinstance(dropout_p, bool)
         or not isinstance(dropout_p, (int, float))

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from qkv._array import Array, compiling, device
+from qkv._array import Array, compiling, device, like_layout
 from qkv.attention import _backends
 from qkv.attention._backends import BACKENDS, BackendName
 from qkv.attention._long_trace import record_partial
@@ -394,7 +394,8 @@ def scaled_dot_product_attention(
             :func:`qkv.explain_dispatch`.
 
     Returns:
-        context (..., H, Lq, Dv); with ``return_weights``, ``(context, weights)`` with
+        context (..., H, Lq, Dv), a tensor laid out in memory as the query is (as torch's
+        SDPA does, on every backend); with ``return_weights``, ``(context, weights)`` with
         weights (..., H, Lq, Lk).
 
     Raises:
@@ -435,6 +436,7 @@ def scaled_dot_product_attention(
     backend = arguments.pop("backend")
     call = make_call(query, key, value, **arguments)
     context, weights = run_call(call, backend)
+    context = like_layout(context, query)  # the query's memory layout, as torch's SDPA
     return (context, weights) if return_weights else context
 
 

@@ -306,6 +306,8 @@ def make_call(
     _checks.check_bias(bias, query, kind, scores_shape)
     if lead is None:
         lead = default_lead(query.ndim, enable_gqa=enable_gqa)
+    if isinstance(mask, Mask):  # one length per batch element, on every backend
+        mask.check_batch(int(query.shape[lead.index("batch")]) if "batch" in lead else 1)
     heads = int(query.shape[-3]) if "head" in lead else 1
     compiled = kind == "torch" and compiling()
     if sinks is not None:

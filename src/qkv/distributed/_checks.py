@@ -104,6 +104,8 @@ def check_call(
             "ranks; use qkv.masks.from_function for a rule of your own."
         )
     _check_tensors(q, k, v)
+    if mask is not None:
+        mask.check_batch(q.shape[0])  # one length per batch element
     return None if sinks is None else check_sinks(sinks, q)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import array_api_compat.torch as torch_xp
 import torch
 
+from qkv._array import DtypeMismatchError, check_scale, like_layout
 from qkv.kernels._blocks import plan_blocks
 from qkv.kernels._threads import call_threads
 from qkv.kernels._tiled import Problem, tiled_function
@@ -96,6 +97,9 @@ def tiled_attention(
         True
     """
     _check(query, key, value)
+    check_scale(scale)
+    if isinstance(mask, Mask):
+        mask.check_batch(query.shape[0])
     return run_tiled(
         query,
         key,
@@ -147,9 +151,9 @@ def run_tiled(
     """
     # One call of the kernel: its thread mode is chosen once (see call_threads).
     with call_threads(query.device.type == "cpu"):
-        batch, heads = query.shape[:2]
+        batch, heads, q_len, _ = query.shape
         dtype = query.dtype
-        if batch == 0 or heads == 0:  # nothing to compute: an empty result, as torch gives
+        if 0 in (batch, heads, q_len, key.shape[2]):  # nothing to compute: zeros, lse −inf
             return _empty(query, key, value, bias, return_lse)
         q, k, v, bias, problem = prepare(
             query,
@@ -172,7 +176,7 @@ def run_tiled(
         out, lse = tiled_function(q, k, v, bias, problem, captured)
         if sinks is not None:
             out, lse = with_sinks(out, lse, sinks.to(q.dtype))
-        out = out.to(dtype)
+        out = like_layout(out.to(dtype), query)  # the query's memory layout, as torch's
         return (out, lse) if return_lse else out
 
 
@@ -199,11 +203,7 @@ def prepare(
     so the backward pass of a compiled graph builds it again (``_tiled_ops.py``)."""
     batch, heads, q_len, _ = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
-    dtype = query.dtype
-    compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    q, k, v = (x.to(compute).contiguous() for x in (query, key, value))
-    if bias is not None and bias.dtype != compute:
-        bias = bias.to(compute)
+    # The plan first: it refuses a call too long for it before anything is copied.
     plan = plan_blocks(
         rule,
         batch=batch,
@@ -216,6 +216,11 @@ def prepare(
         skip=skip_blocks,
         dense_mask=dense_mask is not None,
     )
+    dtype = query.dtype
+    compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    q, k, v = (x.to(compute).contiguous() for x in (query, key, value))
+    if bias is not None and bias.dtype != compute:
+        bias = bias.to(compute)
     keep = None
     if dropout_p > 0 and seed is not None:
         keep = dropout_keep(dropout_p, seed)
@@ -394,8 +399,8 @@ def _empty(
     bias: torch.Tensor | None,
     return_lse: bool,
 ) -> Any:
-    """The result of a call with no batch element or no head: empty, but part of the graph
-    (its gradients are empty too)."""
+    """The result of a call with no batch element, head, query or key: zeros (a query with
+    no key attends to nothing), lse −inf, part of the graph (its gradients are zeros)."""
     batch, heads, q_len = query.shape[:3]
     out = query.new_zeros((batch, heads, q_len, value.shape[3]))
     inputs = [query, key, value] + ([] if bias is None else [bias])
@@ -443,8 +448,16 @@ def _check(query: Any, key: Any, value: Any) -> None:
                 f"{x.dtype} of shape {tuple(x.shape)}. Hint: qkv.scaled_dot_product_attention "
                 "takes other layouts and checks them."
             )
-    if len({x.dtype for _, x in named}) > 1 or len({x.device for _, x in named}) > 1:
-        raise TypeError("query, key and value must share one dtype and one device")
+    if len({x.dtype for _, x in named}) > 1:
+        raise DtypeMismatchError(
+            f"query, key and value must share one dtype, got {query.dtype}, {key.dtype} and "
+            f"{value.dtype}. Hint: convert them with .to(query.dtype)."
+        )
+    if len({x.device for _, x in named}) > 1:
+        raise ValueError(
+            f"query, key and value must be on one device, got {query.device}, {key.device} "
+            f"and {value.device}. Hint: move them with .to(query.device)."
+        )
     (b, h, _, d), (bk, hkv, lk, dk), (bv, hv, lv, _) = query.shape, key.shape, value.shape
     if d != dk or (bk, hkv, lk) != (bv, hv, lv):
         raise ValueError(

@@ -1,4 +1,4 @@
-"""The backward pass of the tiled kernel: each block's weights recomputed as exp(S' − lse).
+"""The backward pass of the tiled kernel: each block's weights recomputed as exp(S' − m) / l.
 
 With P = softmax(S'), O = P·V and the output's gradient dO:
 
@@ -10,7 +10,6 @@ With P = softmax(S'), O = P·V and the output's gradient dO:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,7 +17,6 @@ import torch
 
 from qkv.kernels._blockwise import (
     LN2,
-    NEG_INF,
     Buffers,
     Group,
     Indices,
@@ -43,7 +41,7 @@ def attention_backward(
     v: torch.Tensor,
     bias: torch.Tensor | None,
     out: torch.Tensor,
-    lse: torch.Tensor,
+    normaliser: tuple[torch.Tensor, torch.Tensor],
     grad_out: torch.Tensor,
     grad_lse: torch.Tensor | None,
     problem: Problem,
@@ -51,7 +49,9 @@ def attention_backward(
     captured: tuple[torch.Tensor, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...]]:
     """dQ, dK, dV (and dBias), and the gradients of the tensors the score modifier captures
-    (``captured``), by recomputing each block's weights as exp(S' − lse).
+    (``captured``), by recomputing each block's weights as exp(S' − m) · (1/l), from
+    ``normaliser`` = (m, 1/l) of each row, (B, H, Lq) each, as the forward pass made them
+    (:func:`qkv.kernels._forward.attention_forward`).
 
     Each key block is one task: it owns its rows of dK and dV, and adds its share of dQ to
     a dQ of its thread's own, summed at the end. A captured tensor θ gets, block by block,
@@ -65,8 +65,7 @@ def attention_backward(
     delta = (grad_out * out).sum(dim=-1)
     if grad_lse is not None:
         delta = delta - grad_lse
-    # A fully masked row has lse = −inf: shift by +inf so that exp(−inf − inf) = 0.
-    safe_lse = lse.masked_fill(lse == NEG_INF, math.inf) * problem.units
+    shift, inverse = normaliser  # a fully masked row has 1/l = 0: weights 0
     dk = torch.empty_like(k)  # every key block's task writes its rows (zeros if none)
     dv = torch.empty_like(v)
     shared_bias_grad = None
@@ -97,7 +96,7 @@ def attention_backward(
         values = v[g] if special is None else special.clean[g]
         # The queries scaled once (each query block meets every key block).
         scaled = torch.mul(group.q, problem.scale * problem.units)
-        rows = _RowData(grad_out[g], safe_lse[g], delta[g], scaled)
+        rows = _RowData(grad_out[g], shift[g], inverse[g], delta[g], scaled)
         for k0, k1, queries in columns_of(group.kinds, problem.plan, q_len, kv_len, group):
 
             def task(
@@ -153,11 +152,12 @@ class _Scratch:
 
 @dataclass
 class _RowData:
-    """Per-row tensors of one group: dO (Bg, H, Lq, Dv), lse and Δ (Bg, H, Lq), and the
-    queries times the scale (and log2 e), (Bg, H, Lq, D)."""
+    """Per-row tensors of one group: dO (Bg, H, Lq, Dv), the shift m, 1/l and Δ (Bg, H, Lq),
+    and the queries times the scale (and log2 e), (Bg, H, Lq, D)."""
 
     grad_out: torch.Tensor
-    lse: torch.Tensor
+    shift: torch.Tensor
+    inverse: torch.Tensor
     delta: torch.Tensor
     scaled_q: torch.Tensor
 
@@ -188,7 +188,8 @@ def _backward_column(
         block = (q0, q1, k0, k1)
         q_block = row_block(rows.scaled_q, kv_heads, q0, q1)  # a view unless GQA
         d_out = row_block(rows.grad_out, kv_heads, q0, q1)  # (Bg·Hkv, G·bq, Dv)
-        row_lse = row_block(rows.lse, kv_heads, q0, q1).unsqueeze(-1)
+        row_shift = row_block(rows.shift, kv_heads, q0, q1).unsqueeze(-1)
+        row_inverse = row_block(rows.inverse, kv_heads, q0, q1).unsqueeze(-1)
         row_delta = row_block(rows.delta, kv_heads, q0, q1).unsqueeze(-1)
         out_buffer = scratch.buffers.get((group.rows, q_block.shape[1], k1 - k0), q_block)
         found = block_scores(
@@ -204,7 +205,8 @@ def _backward_column(
         if found is None:
             continue
         scores, raw = found.values, found.raw
-        weights = found.exp_(row_lse, None if raw is None else scores.detach().clone())
+        weights = found.exp_(row_shift, None if raw is None else scores.detach().clone())
+        weights.mul_(row_inverse)  # P = exp(S' − m) / l
         d_weights = torch.bmm(d_out, v_block.transpose(1, 2))  # dP, (·, G·bq, bk)
         if problem.keep is not None:
             keep = dropout_block(problem, index, block)

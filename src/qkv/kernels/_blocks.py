@@ -32,6 +32,13 @@ scores are 2 MiB, the matrix products run near their peak, and a 4096-token sequ
 16 query blocks to share among threads."""
 
 _CANDIDATES = (64, 128, 256)
+
+MAX_PLAN_BLOCKS = 1 << 24
+"""The most blocks a plan may hold: (Lq / block_q) · (Lk / block_kv), times B for a mask made
+per batch element. A plan keeps a byte per block and briefly several (the mask's structure,
+evaluated on every block), so it is sized before anything is allocated: 2²⁴ blocks plan in a
+few hundred MiB, and at blocks of 256 they hold 10¹² scores, hours of work on a CPU; a call
+beyond is refused in one line (10⁷ tokens asked 22.7 GiB for the plan alone)."""
 # The fixed cost of one block, in units of score elements (about 30 µs of PyTorch calls,
 # against about 1.5 ns per score element for the products and the softmax, fitted to the
 # times of 64, 128 and 256 blocks on a sliding window of 512 at N = 4096, one core), and
@@ -154,15 +161,19 @@ def _choose(
     dense_mask: bool,
 ) -> BlockPlan:
     """The plan of :func:`plan_blocks`, computed."""
+    copies = batch if rule is not None and rule.per_batch else 1
     if block_q is not None or block_kv is not None or rule is None or not rule.knows_blocks:
-        bq = block_q or _default_rows(heads_per_kv)
-        bk = block_kv or DEFAULT_BLOCK
-        args = (batch, heads, q_len, kv_len, min(bq, q_len), min(bk, kv_len), skip, dense_mask)
+        bq = min(block_q or _default_rows(heads_per_kv), q_len)
+        bk = min(block_kv or DEFAULT_BLOCK, kv_len)
+        _check_plan_size(q_len, kv_len, [(bq, bk)], copies)
+        args = (batch, heads, q_len, kv_len, bq, bk, skip, dense_mask)
         given = block_q is not None or block_kv is not None
         return replace(_plan(rule, *args), runs=not given)
+    candidates = [
+        (min(_rows_for(size, heads_per_kv), q_len), min(size, kv_len)) for size in _CANDIDATES
+    ]
     best: tuple[float, BlockPlan] | None = None
-    for size in _CANDIDATES:
-        bq, bk = min(_rows_for(size, heads_per_kv), q_len), min(size, kv_len)
+    for bq, bk in _check_plan_size(q_len, kv_len, candidates, copies):
         # the sizes follow the structure, with or without skipping (the same runs, bits)
         plan = _plan(rule, batch, heads, q_len, kv_len, bq, bk, True, dense_mask)
         per_block = batch * heads * plan.block_q * plan.block_kv
@@ -179,6 +190,27 @@ def _choose(
         return chosen
     sizes = (chosen.block_q, chosen.block_kv)
     return _plan(rule, batch, heads, q_len, kv_len, *sizes, skip, dense_mask)
+
+
+def _check_plan_size(
+    q_len: int, kv_len: int, sizes: list[tuple[int, int]], copies: int
+) -> list[tuple[int, int]]:
+    """The block sizes whose plan holds at most :data:`MAX_PLAN_BLOCKS` blocks; none is a
+    one-line ValueError with the count, before anything is allocated."""
+
+    def count(bq: int, bk: int) -> int:
+        return -(-q_len // max(bq, 1)) * -(-kv_len // max(bk, 1)) * copies
+
+    fitting = [(bq, bk) for bq, bk in sizes if count(bq, bk) <= MAX_PLAN_BLOCKS]
+    if not fitting:
+        bq, bk = sizes[-1]
+        raise ValueError(
+            f"Lq = {q_len:,} and Lk = {kv_len:,} are too long for one call of the tiled "
+            f"kernel: its plan would hold {count(bq, bk):,} blocks of {bq} × {bk} (at most "
+            f"{MAX_PLAN_BLOCKS:,}). Hint: split the sequence across processes "
+            "(qkv.distributed.ring_attention), or attend to shorter sequences."
+        )
+    return fitting
 
 
 def _default_rows(heads_per_kv: int) -> int:

@@ -54,10 +54,8 @@ class Problem:
             modifier); otherwise a 0/−inf block is added, which is many times faster.
         huge: the bias has finite entries beyond ±HUGE_BIAS (a "blocked" −3.4e38, −1e9): the
             scores are kept in natural units (they must round as the reference's do, and
-            would overflow times log2 e), and the forward keeps each row's maximum m apart
-            from its log-sum log l (m + log l loses log l when |m| is huge).
-        row_shift: the backward pass of a ``huge`` call: each row's m, (B, H, Lq, 1),
-            subtracted from the biased scores before exp(S' − m − log l).
+            would overflow times log2 e). The backward pass makes its weights from each
+            row's m and l apart (exp(S' − m) / l), so a huge m does not lose log l.
         blocked_scores: an allowed score may be −inf (a −inf bias, a score modifier): such a
             key is masked out, so its weight must be exactly 0 (not the floor's tiny
             positive weight) and a NaN or ±inf value there must not reach the output.
@@ -73,7 +71,6 @@ class Problem:
     skip: bool = True
     exact_masking: bool = False
     huge: bool = False
-    row_shift: torch.Tensor | None = None
     blocked_scores: bool = False
 
     @property
@@ -129,7 +126,6 @@ class Group:
     bias: torch.Tensor | None  # broadcasts to (Bg, H, Lq, Lk)
     mask: torch.Tensor | None  # broadcasts to (Bg, H, Lq, Lk)
     kinds: Any  # (nq, nk) numpy int8
-    shift: torch.Tensor | None = None  # the row shift, (Bg, H, Lq, 1) (backward, huge bias)
     structure: Any = None  # (nq, nk) numpy int8: the structural kinds (skip=False), or None
     views: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
 
@@ -188,9 +184,8 @@ def split_groups(
     bias = None if bias is None else bias.expand(*bias.shape[:2], lq, lk)
     mask = problem.dense_mask
     mask = None if mask is None else mask.expand(*mask.shape[:2], lq, lk)
-    shift = problem.row_shift
     if not plan.per_batch:
-        return [Group(0, q, k, v, bias, mask, plan.kinds_for(0), shift, plan.structure_for(0))]
+        return [Group(0, q, k, v, bias, mask, plan.kinds_for(0), plan.structure_for(0))]
 
     def pick(x: torch.Tensor | None, b: int) -> torch.Tensor | None:
         return None if x is None else (x[b : b + 1] if x.shape[0] > 1 else x)
@@ -204,7 +199,6 @@ def split_groups(
             pick(bias, b),
             pick(mask, b),
             plan.kinds_for(b),
-            pick(shift, b),
             plan.structure_for(b),
         )
         for b in range(q.shape[0])
@@ -321,6 +315,21 @@ def _partial_mask(
     return allowed is _NOTHING, allowed
 
 
+@dataclass(frozen=True)
+class RowShift:
+    """The fixed shift of some rows of a query block's scores: ``rows`` (n,) indices into its
+    rows flattened, (Bg·Hkv·G·bq), and ``amounts`` (n, 1) each one's shift."""
+
+    rows: torch.Tensor
+    amounts: torch.Tensor
+
+    def full(self, like: torch.Tensor) -> torch.Tensor:
+        """The shift of every row, 0 where none is given, shaped as ``like`` (…, 1)."""
+        every = torch.zeros(like.numel(), 1, dtype=like.dtype, device=like.device)
+        every[self.rows] = self.amounts
+        return every.view(like.shape)
+
+
 @dataclass
 class BlockScores:
     """The scores of one block and what turns them into weights.
@@ -345,21 +354,28 @@ class BlockScores:
         """exp(values − shift) (exp2 in log2 units), in place, with exact zeros where masked.
 
         exp(x) is several times slower on CPUs where it underflows (x < −87 in float32, and
-        −inf), so x is first raised to :data:`EXP_FLOOR`: a weight below e^−80 ≈ 2e−35 of the
-        row's largest becomes 2e−35 (far below any rounding), and the masked ones are then
-        multiplied by 0.
+        −inf), so x is first raised to :data:`EXP_FLOOR`: a weight below e^−80 ≈ 2e−35 of
+        exp(shift) (the row's running maximum; in the backward pass the forward's shift,
+        whose own weight is part of l) becomes 2e−35 of it (far below any rounding), and the
+        masked ones are then multiplied by 0.
         """
         target = self.values if values is None else values
         return self._exp_(target.sub_(shift), EXP_FLOOR)
 
-    def exp_unshifted_(self, *, floor: bool) -> torch.Tensor:
-        """exp(values) (exp2 in log2 units), in place: the weights with the shift fixed at 0.
+    def exp_fixed_(self, shift: RowShift | None, *, floor: bool) -> torch.Tensor:
+        """exp(values − shift) (exp2 in log2 units), in place: the weights with each row's
+        shift fixed (not its running maximum). ``shift`` names the rows shifted and by how
+        much (finite), every other row's shift is 0; None shifts none (no pass at all).
 
         Masked scores are −inf and become exact zeros. With ``floor`` (a bias or a score
-        modifier such as ALiBi may put finite scores far below 0), scores are first raised
-        to the smallest normal float's exponent, below which exp is several times slower.
+        modifier such as ALiBi may put finite scores far below the shift), scores are first
+        raised to the smallest normal float's exponent, below which exp is several times
+        slower.
         """
         lowest = _NORMAL_FLOOR2 if self.base2 else _NORMAL_FLOOR
+        if shift is not None:
+            flat = self.values.view(-1, self.values.shape[-1])  # (Bg·Hkv·G·bq, bk)
+            flat[shift.rows] = flat[shift.rows] - shift.amounts
         return self._exp_(self.values, lowest if floor else None)
 
     def _exp_(self, x: torch.Tensor, floor: float | None) -> torch.Tensor:
@@ -406,15 +422,16 @@ def block_scores(
     view = scores.view(shape4)  # h = kv_head · G + g
     if group.bias is not None:
         view.add_(group.bias[:, :, q0:q1, k0:k1], alpha=problem.units)
-        if group.shift is not None:  # after the add: the scores round as in the forward
-            view.sub_(group.shift[:, :, q0:q1])
     if problem.score_mod is not None:
         b, h, qi, ki = index.at(q0, q1, k0, k1)
         raw = view.detach().clone().requires_grad_(True) if keep_raw else None
         with torch.enable_grad() if keep_raw else contextlib.nullcontext():
             modified = problem.score_mod(
                 view if raw is None else raw, b, h, qi, ki, index.q_len, index.kv_len, torch_xp
-            ).expand(shape4)
+            )
+            # A result that broadcasts (it ignores some index) gets memory of its own: the
+            # weights are computed from it in place.
+            modified = modified.expand(shape4).contiguous()
             if allowed is not None:
                 modified = modified.masked_fill(allowed.logical_not(), NEG_INF)
             values = modified.reshape(scores.shape)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from qkv._array import DtypeMismatchError, check_scale
 from qkv.kernels._api import run_tiled
 from qkv.kernels._flex_masks import BLOCK_MASKS, run_flex
 from qkv.masks import EMPTY, FULL, PARTIAL, Mask, ScoreMod
@@ -47,7 +48,8 @@ def flex_attention(
     ``torch.compile``.
 
     Args:
-        query: (B, H, Lq, D). key: (B, Hkv, Lk, D). value: (B, Hkv, Lk, Dv).
+        query: (B, H, Lq, D). key: (B, Hkv, Lk, D). value: (B, Hkv, Lk, Dv); key and
+            value of batch 1 serve every query batch element (as torch broadcasts them).
         score_mod: ``fn(score, b, h, q_idx, kv_idx) -> score``, torch's signature (the
             arguments are broadcasting tensors), or a :class:`qkv.masks.ScoreMod`.
         block_mask: a torch ``BlockMask`` (from ``create_block_mask``; its ``mask_mod`` and
@@ -60,8 +62,17 @@ def flex_attention(
             with no allowed key, whose output is 0).
 
     Returns:
-        The output (B, H, Lq, Dv) in the dtype of query; with ``return_lse``,
+        The output (B, H, Lq, Dv) in the dtype and the memory layout of query (as torch's:
+        a query ``x.view(B, L, H, D).transpose(1, 2)`` gives an output that
+        ``.transpose(1, 2).view(B, L, H * Dv)`` takes); with ``return_lse``,
         ``(output, lse)``.
+
+    Raises:
+        ValueError: shapes that do not fit, a ``block_mask`` made for other lengths or
+            batch, inputs on several devices, a ``score_mod`` that returns no scores.
+        TypeError: not tensors, a ``scale`` that is not a finite number.
+        qkv.DtypeMismatchError: query, key and value of different dtypes (both a
+            TypeError and a ValueError).
 
     Example:
         >>> import torch, qkv
@@ -76,10 +87,13 @@ def flex_attention(
         (1, 2, 256, 16)
     """
     _check(query, key, value, enable_gqa)
-    q_len, kv_len = query.shape[2], key.shape[2]
+    check_scale(scale)
+    batch, q_len, kv_len = query.shape[0], query.shape[2], key.shape[2]
+    if key.shape[0] != batch:  # one key/value batch element for every query's: a view
+        key, value = (x.expand(batch, *x.shape[1:]) for x in (key, value))
     if query.device.type == "cuda":
         return _on_cuda(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse)
-    rule = _as_rule(block_mask, query.shape[0], query.shape[1], q_len, kv_len)
+    rule = _as_rule(block_mask, batch, query.shape[1], q_len, kv_len)
     out, lse = run_tiled(
         query,
         key,
@@ -185,6 +199,8 @@ def _rectangle(
 
 def _as_rule(block_mask: Any, batch: int, heads: int, q_len: int, kv_len: int) -> Mask | None:
     """The qkv mask rule of ``block_mask`` (None: every key)."""
+    if isinstance(block_mask, Mask):
+        block_mask.check_batch(batch)
     if block_mask is None or isinstance(block_mask, Mask):
         return block_mask
     from torch.nn.attention.flex_attention import BlockMask
@@ -263,18 +279,24 @@ def _check(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
                 f"flex_attention: {name} must be a floating-point torch.Tensor of shape "
                 f"(B, H, L, D), got {got}. Hint: split heads first, e.g. qkv.split_heads."
             )
-    if len({x.dtype for _, x in named}) > 1 or len({x.device for _, x in named}) > 1:
-        raise TypeError(
-            "flex_attention: query, key and value must share one dtype and one device, got "
-            f"{[str(x.dtype) for _, x in named]} on {[str(x.device) for _, x in named]}. "
-            "Hint: convert with .to(query)."
+    if len({x.dtype for _, x in named}) > 1:
+        raise DtypeMismatchError(
+            "flex_attention: query, key and value must share one dtype, got "
+            f"{query.dtype}, {key.dtype} and {value.dtype}. Hint: convert them with "
+            ".to(query.dtype)."
+        )
+    if len({x.device for _, x in named}) > 1:
+        raise ValueError(
+            "flex_attention: query, key and value must be on one device, got "
+            f"{query.device}, {key.device} and {value.device}. Hint: move them with "
+            ".to(query.device)."
         )
     (b, h, _, d), (bk, hkv, lk, dk), (bv, hv, lv, _) = query.shape, key.shape, value.shape
-    if d != dk or (bk, hkv, lk) != (bv, hv, lv) or b != bk:
+    if d != dk or (bk, hkv, lk) != (bv, hv, lv) or bk not in (b, 1):
         raise ValueError(
             f"flex_attention: shapes do not fit: query {tuple(query.shape)}, key "
             f"{tuple(key.shape)}, value {tuple(value.shape)}. Hint: (B, H, Lq, D), "
-            "(B, Hkv, Lk, D), (B, Hkv, Lk, Dv)."
+            "(B, Hkv, Lk, D), (B, Hkv, Lk, Dv); key and value may have batch 1 for all B."
         )
     if h != hkv and (not enable_gqa or hkv == 0 or h % hkv):
         raise ValueError(

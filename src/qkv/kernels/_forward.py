@@ -2,10 +2,11 @@
 
 For every row it keeps the sum l of its weights p = exp(score − m) and the sum of p·v; the
 result is exactly softmax(S')·V, and the log-sum-exp ``lse = m + log l`` of each row is kept
-for the backward pass. The shift m is first held at 0, which needs no maximum and no
-rescaling; rows whose scores sit too far from 0 for that (see :func:`_accumulate`) are done
-again with the FlashAttention update, where m is each row's running maximum and a block that
-raises it from m to m' rescales the old sums by exp(m − m').
+for the backward pass, with m and 1/l. The shift m is first held fixed (at 0, or at a
+row's score when its scores in the first key block are all equal), which needs no maximum
+and no rescaling; rows whose scores sit too far from it (see :func:`_accumulate`) are done
+again with the FlashAttention update, where m is each row's running maximum and a block
+that raises it from m to m' rescales the old sums by exp(m − m').
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from qkv.kernels._blockwise import (
     Group,
     Indices,
     Problem,
+    RowShift,
     block_scores,
     blocks_of,
     dropout_block,
@@ -32,8 +34,17 @@ from qkv.kernels._blockwise import (
     split_groups,
 )
 from qkv.kernels._threads import run_tasks
+from qkv.masks import FULL
 
 __all__ = ["attention_forward"]
+
+SUMS_IN_PRODUCTS = 16
+"""The fewest queries of a call for which the forward pass appends a column of ones to the
+values (a copy of V, O(Lk · Dv), against O(Lq · Lk · D) of work): one decoding step (Lq = 1)
+would pay for the copy as much as for its attention."""
+
+Rows = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""(context, lse, m, 1/l) of a query block's rows: see :func:`attention_forward`."""
 
 
 def attention_forward(
@@ -42,27 +53,33 @@ def attention_forward(
     v: torch.Tensor,
     bias: torch.Tensor | None,
     problem: Problem,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Context (B, H, Lq, Dv), log-sum-exp (B, H, Lq) and None, of checked, contiguous
-    tensors; for a ``huge`` bias, the lse in two parts: (context, log l, m).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(context, lse, shift, inverse sum) of checked, contiguous tensors: the context
+    (B, H, Lq, Dv); each row's natural log-sum-exp (B, H, Lq); and what the backward pass
+    makes the weights from, each row's shift m (in the units of the scores, see
+    :attr:`Problem.units`) and 1/l (0 for a row with no allowed key), (B, H, Lq) each: a
+    weight is exp(s − m) · (1/l), exactly 1/L in a row of L equal scores, as the reference
+    has it (exp(s − lse) rounds log L).
 
     Each query block is one task (:func:`qkv.kernels._threads.run_tasks`); it writes only
-    its own rows of the output.
+    its own rows of the results.
     """
     batch, heads, q_len, _ = q.shape
     kv_heads, kv_len, dim_v = k.shape[1], k.shape[2], v.shape[3]
     out = torch.empty((batch, heads, q_len, dim_v), dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, heads, q_len), dtype=q.dtype, device=q.device)
+    rows = torch.empty((3, batch, heads, q_len), dtype=q.dtype, device=q.device)
+    lse, shift, inverse = rows  # one allocation, three views
     grouped_out = out.view(batch, kv_heads, heads // kv_heads, q_len, dim_v)
-    grouped_lse = lse.view(batch, kv_heads, heads // kv_heads, q_len)
-    maxima = torch.empty_like(lse) if problem.huge else None
-    grouped_max = None if maxima is None else maxima.view(grouped_lse.shape)
+    grouped_rows = rows.view(3, batch, kv_heads, heads // kv_heads, q_len)
     special = nonfinite(v) if problem.masks_keys else None
+    given = v if special is None else special.clean
+    if problem.keep is None and q_len >= SUMS_IN_PRODUCTS:  # l from the products: _accumulate
+        given = torch.cat([given, given.new_ones((*given.shape[:3], 1))], dim=3)
     tasks: list[tuple[int, Callable[[Buffers], None]]] = []
     for group in split_groups(q, k, v, bias, problem):
         index = Indices(group, heads, q_len, kv_len)
         g = slice(group.start, group.start + group.q.shape[0])
-        values = group.v if special is None else special.clean[g]
+        values = given[g]
         hits = None if special is None else special.hits[g]
         for q0, q1, keys in blocks_of(group.kinds, problem.plan, q_len, kv_len, group):
 
@@ -78,24 +95,23 @@ def attention_forward(
                 keys: list[tuple[int, int, int]] = keys,
             ) -> None:
                 rows_out = grouped_out[g, :, :, q0:q1]
-                rows_lse = grouped_lse[g, :, :, q0:q1]
+                rows_lse, rows_shift, rows_inverse = grouped_rows[:, g, :, :, q0:q1]
                 dest = (rows_out, rows_lse)
-                context, row_lse, row_max = _forward_rows(
+                context, row_lse, row_shift, row_inverse = _forward_rows(
                     problem, group, index, values, hits, q0, q1, keys, buffers, dest
                 )
                 if context is not rows_out:
                     rows_out.copy_(context.view(rows_out.shape))
                 if row_lse is not rows_lse:
                     rows_lse.copy_(row_lse.view(rows_lse.shape))
-                if grouped_max is not None and row_max is not None:
-                    rows_max = grouped_max[g, :, :, q0:q1]
-                    rows_max.copy_(row_max.view(rows_max.shape))
+                rows_shift.copy_(row_shift.view(rows_shift.shape))
+                rows_inverse.copy_(row_inverse.view(rows_inverse.shape))
 
             tasks.append((sum(k1 - k0 for k0, k1, _ in keys), task))
     # The longest tasks first: the threads then finish together (causal rows differ in length).
     ordered = [task for _, task in sorted(tasks, key=lambda pair: -pair[0])]
     run_tasks(ordered, Buffers, on_cpu=q.device.type == "cpu")
-    return out, lse, maxima
+    return out, lse, shift, inverse
 
 
 def _forward_rows(
@@ -109,14 +125,14 @@ def _forward_rows(
     keys: list[tuple[int, int, int]],
     buffers: Buffers,
     dest: tuple[torch.Tensor, torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One query block against its key blocks: (context, lse, None) rows (Bg·Hkv, G·bq, ·);
-    for a ``huge`` bias (context, log l, m). ``dest`` is the block's rows of the output and
-    of the lse, (Bg, Hkv, G, bq, Dv) and (Bg, Hkv, G, bq): the context, and the lse when it
-    can be, are written there and returned as those tensors (no copy).
+) -> Rows:
+    """One query block against its key blocks: (context, lse, m, 1/l) rows (Bg·Hkv, G·bq, ·).
+    ``dest`` is the block's rows of the output and of the lse, (Bg, Hkv, G, bq, Dv) and
+    (Bg, Hkv, G, bq): the context, and the lse when it can be, are written there and
+    returned as those tensors (no copy).
 
-    First with the shift fixed at 0 (:func:`_accumulate`), which fails only for rows whose
-    scores are far from 0 (or masked whole); those blocks run again with the running max.
+    First with a fixed shift (:func:`_accumulate`), which fails only for rows whose scores
+    are far from it (or masked whole); those blocks run again with the running max.
     """
     kv_heads = group.k.shape[1]
     q_block = query_block(group.q, kv_heads, q0, q1, problem.scale * problem.units)
@@ -144,28 +160,47 @@ def _accumulate(
     hits: torch.Tensor | None,
     *,
     running_max: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """The online softmax over the key blocks: (context, lse, None) rows, or None; for a
-    ``huge`` bias (context, log l, m), with lse = m + log l.
+) -> Rows | None:
+    """The online softmax over the key blocks: (context, lse, m, 1/l) rows, or None, with
+    lse = m + log l in natural units (m is in the units of the scores).
 
     With ``running_max``, the FlashAttention update: each row's scores are shifted by their
     running maximum m, and a block that raises it to m' rescales the sums by exp(m − m').
-    Without, the shift stays 0 (the weights are exp(s) themselves, no max, no rescaling:
-    three fewer passes over each block). That is exact while every row's sum of weights l
-    stays within [2⁻⁶⁰, 2¹⁰⁰]: no weight overflows, and a weight that underflows is below
+    Without, m stays fixed: no maximum of each block and no rescaling. It is 0 (the weights
+    are exp(s) themselves: not even a subtraction), except in the rows whose scores in the
+    first key block are all equal (:func:`_level_rows`): there it is that score, so that
+    such a row gets weights of exactly 1, as in the reference (exp(s) of equal scores
+    rounds, and the context missed by 1e-6). That is exact while every row's sum of weights
+    l stays within [2⁻⁶⁰, 2¹⁰⁰]: no weight overflows, and a weight that underflows is below
     2⁻⁶⁶ of the row's largest. Otherwise (or if the context overflows) it returns None,
     checked after the first block and at the end.
+
+    Without dropout, ``values`` carry a last column of ones (when the call has at least
+    :data:`SUMS_IN_PRODUCTS` queries), so each row's sum of weights l is the last column of
+    acc, summed by the same matrix products in the same order as the context: a row whose
+    values are all 1 gets exactly 1 (acc / l) whatever its scores, and the backward pass's
+    Δ = dO·O is exact there (dQ of all-ones inputs is exactly 0 under any bias); and the
+    pass that summed each block goes. Otherwise l is summed block by block (with dropout it
+    counts the weights before dropping).
     """
     rows = q_block.shape[1]
     like = q_block
     row_max = torch.full((group.rows, rows, 1), NEG_INF, dtype=like.dtype, device=like.device)
-    row_sum = torch.zeros((group.rows, rows, 1), dtype=like.dtype, device=like.device)
     acc = torch.zeros((group.rows, rows, values.shape[3]), dtype=like.dtype, device=like.device)
+    in_products = values.shape[3] > group.v.shape[3]  # l is acc's last column
+    if in_products:
+        row_sum, context_sums = acc[..., -1:], acc[..., :-1]
+    else:
+        row_sum, context_sums = torch.zeros_like(row_max), acc
     reach = None if hits is None else acc.new_zeros((group.rows, rows, hits.shape[3]))
     drop_scale = 1.0 / (1.0 - problem.dropout_p)
     exp = torch.exp2 if problem.base2 else torch.exp
     far = group.bias is not None or problem.score_mod is not None  # scores may be ≪ 0
     first = True
+    # Without running_max: the shift, fixed for the query block, decided on its first block
+    # with a score for some row (:func:`_level_rows`): None is a shift of 0 for every row.
+    decided = False
+    fixed: RowShift | None = None
     for k0, k1, kind in keys:
         out = buffers.get((group.rows, rows, k1 - k0), like)
         found = block_scores(problem, group, index, q_block, (q0, q1, k0, k1), kind, out)
@@ -177,17 +212,20 @@ def _accumulate(
             shift = new_max.masked_fill(new_max == NEG_INF, 0.0)
             scores = found.exp_(shift)  # the unnormalised weights p = exp(s − m), in place
             rescale = exp(row_max - shift)
-            # l ← l · exp(m − m') + Σ p;  acc ← acc · exp(m − m') + p·V
-            torch.addcmul(scores.sum(dim=-1, keepdim=True), row_sum, rescale, out=row_sum)
+            # l ← l · exp(m − m') + Σ p;  acc ← acc · exp(m − m') + p·V (l: acc's column)
+            if not in_products:
+                row_sum.mul_(rescale).add_(scores.sum(dim=-1, keepdim=True))
             acc.mul_(rescale)
             row_max = new_max
         else:
-            scores = found.exp_unshifted_(floor=far)
-            block_sum = scores.sum(dim=-1, keepdim=True)
-            if first and not bool(block_sum.amax() <= _MOST):  # large scores: give up early
-                return None
-            row_sum.add_(block_sum)
-        first = False
+            if not decided:
+                level = _level_rows(found.values, unmasked=kind == FULL and not far)
+                if level is False:  # every weight 0; skipping the block gives the same bits
+                    continue
+                decided, fixed = True, (level if isinstance(level, RowShift) else None)
+            scores = found.exp_fixed_(fixed, floor=far)
+            if not in_products:
+                row_sum.add_(scores.sum(dim=-1, keepdim=True))
         if problem.keep is not None:
             keep = dropout_block(problem, index, (q0, q1, k0, k1))
             scores.view(keep.shape[0], -1, q1 - q0, k1 - k0).mul_(keep)
@@ -196,6 +234,10 @@ def _accumulate(
             acc.baddbmm_(scores, group.values(values, k0, k1))
         if reach is not None and hits is not None:
             reach.baddbmm_((scores > 0).to(scores.dtype), kv_block(hits, k0, k1))
+        # With a shift of 0, large scores may overflow: give up after the first block.
+        if first and not running_max and not bool(row_sum.amax() <= _MOST):
+            return None
+        first = False
     dest_out, dest_lse = dest
     if not running_max:
         low, high = torch.aminmax(row_sum)
@@ -205,26 +247,73 @@ def _accumulate(
             return None
         if not math.isfinite(float(acc.sum())):
             return None
-        # m = 0: the weights were e^s (2^(s·log2 e) in log2 units), so lse = ln l; l ≥ 2⁻⁶⁰.
-        context = _divide(acc, row_sum, dest_out, reach)
+        # The weights were e^(s − m) (2^(s − m) in log2 units): lse = m + ln l; l ≥ 2⁻⁶⁰.
+        context = _divide(context_sums, row_sum, dest_out, reach)
+        inverse = torch.reciprocal(row_sum)
         log_sum = torch.log(row_sum.view(dest_lse.shape), out=dest_lse)
-        return context, log_sum, (torch.zeros_like(log_sum) if problem.huge else None)
+        shift = torch.zeros_like(row_sum) if fixed is None else fixed.full(row_sum)
+        if fixed is not None:
+            log_sum.add_(shift.view(dest_lse.shape), alpha=LN2 if problem.base2 else 1.0)
+        return context, log_sum, shift, inverse
     # A row whose scores are all −inf (a −inf bias on every allowed key): its weights are 0,
     # as in the reference (exp of the floor left them tiny but positive).
     dead = row_max == NEG_INF
+    acc.masked_fill_(dead, 0.0)  # l too, when it is acc's column
     row_sum.masked_fill_(dead, 0.0)
-    acc.masked_fill_(dead, 0.0)
     if reach is not None:
         reach.masked_fill_(dead, 0.0)
-    context = _divide(acc, row_sum.masked_fill(row_sum == 0, 1.0), dest_out, reach)
-    if problem.huge:  # natural units; m apart from log l (m + log l would lose log l)
-        kept = row_max.masked_fill(dead, 0.0)
-        return context, torch.log(row_sum).squeeze(-1), kept.squeeze(-1)
+    context = _divide(context_sums, row_sum.masked_fill(row_sum == 0, 1.0), dest_out, reach)
+    inverse = torch.where(row_sum > 0, torch.reciprocal(row_sum), 0.0)
     if problem.base2:  # back to natural units
         row_lse = ((row_max + torch.log2(row_sum)) * LN2).squeeze(-1)
     else:
         row_lse = (row_max + torch.log(row_sum)).squeeze(-1)
-    return context, row_lse, None
+    return context, row_lse, row_max.masked_fill(dead, 0.0), inverse
+
+
+_SAMPLES = 8
+"""How many keys of a block :func:`_level_rows` looks at in every row, spread over the block,
+before it reads whole rows: only those of the rows whose allowed keys among them have equal
+scores (rarely any with real inputs; every row with constant ones)."""
+
+
+def _level_rows(values: torch.Tensor, *, unmasked: bool) -> RowShift | bool | None:
+    """The rows of a query block's first key block with a score for some row, ``values``
+    (Bg·Hkv, G·bq, bk), whose allowed scores there are all equal (one allowed key
+    included), with each one's score as its shift: such a row then gets weights of exactly
+    1 and the exact result the reference gets, where exp(s) rounds each weight (the context
+    missed by 1e-6, dV by a few units in the last place). None when there is no such row
+    (every shift 0: no pass to subtract it), False when no row has a score in the block.
+
+    A few keys of each row first (:data:`_SAMPLES`), a whole row only where those allowed
+    agree: a handful of small operations per query block, not three passes over its first
+    block. ``unmasked``: no score is −inf (a full block, no bias or modifier). NaN scores
+    never agree.
+    """
+    width = values.shape[-1]
+    flat = values.view(-1, width)  # (R, bk), R = Bg·Hkv·G·bq
+    seen = flat[:, :: max(1, width // _SAMPLES)]  # (R, ≤ 2·S), a view
+    finite = seen if unmasked else _masked_to_inf(seen)
+    # NaN compares False: a row with one is looked at whole, and is never level.
+    spread = finite.amin(dim=-1) < seen.amax(dim=-1)
+    if bool(spread.all()):
+        return None
+    candidates = spread.logical_not_().nonzero().squeeze(-1)
+    rows = flat[candidates]  # (n, bk)
+    largest = rows.amax(dim=-1, keepdim=True)
+    lowest = (rows if unmasked else _masked_to_inf(rows)).amin(dim=-1, keepdim=True)
+    scored = largest != NEG_INF
+    if candidates.numel() == flat.shape[0] and not bool(scored.any()):
+        return False
+    level = ((lowest == largest) & scored).squeeze(-1)
+    if not bool(level.any()):
+        return None
+    return RowShift(candidates[level], largest[level])
+
+
+def _masked_to_inf(scores: torch.Tensor) -> torch.Tensor:
+    """The scores with −inf (masked) made +inf, for the least allowed score; NaN stays."""
+    return scores.nan_to_num(nan=math.nan, posinf=math.inf, neginf=math.inf)
 
 
 def _divide(

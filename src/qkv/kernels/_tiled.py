@@ -11,15 +11,16 @@ every row
 
 When a new block raises the maximum from m to m', the old sums are multiplied by
 exp(m − m'), so the result is exactly softmax(S')·V, computed in one pass. (The forward pass
-first holds m at 0 and takes the running maximum only for the query blocks that need it:
-:mod:`qkv.kernels._forward`.) The kernel keeps only the output and the log-sum-exp
-``lse = m + log l`` of each row; the backward pass recomputes each block's weights from them
-as ``exp(S' − lse)``. The layout of the blocks: :mod:`qkv.kernels._blockwise`.
+first holds m fixed and takes the running maximum only for the query blocks that need it:
+:mod:`qkv.kernels._forward`.) The kernel
+keeps only the output, the log-sum-exp ``lse = m + log l`` of each row, and m and 1/l; the
+backward pass recomputes each block's weights from them as ``exp(S' − m) · (1/l)``, as the
+reference's exp(S' − max) / Σ (a row of equal scores gets exactly 1/L). The layout of the
+blocks: :mod:`qkv.kernels._blockwise`.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -33,7 +34,8 @@ __all__ = ["Problem", "attention_forward", "tiled_function"]
 
 
 class _TiledAttention(torch.autograd.Function):
-    """Forward and backward of the tiled kernel; saves only q, k, v, (bias,) out and lse.
+    """Forward and backward of the tiled kernel; saves only q, k, v, (bias,) the output and
+    two numbers per row (its shift m and 1/l: the backward's weights are exp(s − m) / l).
 
     ``captured`` are the tensors the score modifier captures (inputs only so that autograd
     sends them their gradients; the modifier itself reads them)."""
@@ -48,40 +50,33 @@ class _TiledAttention(torch.autograd.Function):
         problem: Problem,
         *captured: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse, maxima = attention_forward(q, k, v, bias, problem)
-        ctx.save_for_backward(q, k, v, bias, out, lse, maxima)
+        out, lse, shift, inverse = attention_forward(q, k, v, bias, problem)
+        ctx.save_for_backward(q, k, v, bias, out, shift, inverse)
         ctx.problem = problem
         ctx.captured = captured
         ctx.set_materialize_grads(False)
-        return out, _whole(lse, maxima)
+        return out, lse
 
     @staticmethod
     def backward(
         ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, bias, out, lse, maxima = ctx.saved_tensors
+        q, k, v, bias, out, shift, inverse = ctx.saved_tensors
         if grad_out is None:  # only the lse was used
             grad_out = torch.zeros_like(out)
         need_bias = bias is not None and ctx.needs_input_grad[3]
-        problem = ctx.problem
-        if maxima is not None:  # a huge bias: exp(S' − m − log l), m subtracted first
-            problem = replace(problem, row_shift=maxima[..., None])
         captured = tuple(ctx.captured)
         wanted = tuple(
             t for t, needed in zip(captured, ctx.needs_input_grad[5:], strict=True) if needed
         )
         with call_threads(q.device.type == "cpu"):  # a call of its own: see there
             dq, dk, dv, dbias, d_wanted = attention_backward(
-                q, k, v, bias, out, lse, grad_out, grad_lse, problem, need_bias, wanted
-            )
+                q, k, v, bias, out, (shift, inverse), grad_out, grad_lse, ctx.problem,
+                need_bias, wanted,
+            )  # fmt: skip
         found = dict(zip((id(t) for t in wanted), d_wanted, strict=True))
         d_captured = tuple(found.get(id(t)) for t in captured)
         return (dq, dk, dv, dbias, None, *d_captured)
-
-
-def _whole(lse: torch.Tensor, maxima: torch.Tensor | None) -> torch.Tensor:
-    """The log-sum-exp m + log l from its parts (a huge bias keeps m apart)."""
-    return lse if maxima is None else lse + maxima
 
 
 def tiled_function(
@@ -99,8 +94,8 @@ def tiled_function(
     )
     if not wants_grad:
         with torch.no_grad():
-            out, lse, maxima = attention_forward(q, k, v, bias, problem)
-            return out, _whole(lse, maxima)
+            out, lse, _, _ = attention_forward(q, k, v, bias, problem)
+            return out, lse
     result: tuple[torch.Tensor, torch.Tensor] = _TiledAttention.apply(  # type: ignore[no-untyped-call]
         q, k, v, bias, problem, *captured
     )

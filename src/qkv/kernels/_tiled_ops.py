@@ -8,9 +8,9 @@ is huge or holds −inf, whether an input holds NaN) and runs Python loops over 
 threads: nothing a graph can hold. So a compiled graph calls it through two custom
 operators, ``qkv::tiled_attention`` and its backward ``qkv::tiled_attention_backward``,
 whose inside runs as without compilation (an eager island: the graph sees one operator with
-a shape-only fake implementation). The backward gets what the forward kept (the output, the
-log-sum-exp and the row maxima of a huge bias) and builds the same block plan again from
-the same inputs (:func:`qkv.kernels._api.prepare`); nothing is computed twice.
+a shape-only fake implementation). The backward gets what the forward kept (the output and
+each row's shift m and 1/l) and builds the same block plan again from the same inputs
+(:func:`qkv.kernels._api.prepare`); nothing is computed twice.
 
 The forward takes an optional ``candidate``: torch's SDPA output of the same call, computed
 in the graph. It is returned as it is when :func:`~qkv.kernels._torch_sdpa.sdpa_trusted`
@@ -24,7 +24,7 @@ replaced by 0 (:func:`finite`; equal to the inputs whenever the candidate is kep
 
 from __future__ import annotations
 
-from dataclasses import replace
+import math
 from typing import Any
 
 import torch
@@ -140,9 +140,10 @@ def _forward_op(
     dropout_p: float,
     grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, lse, lse without the row maxima, row maxima, ran): out (B, H, Lq, Dv) and the
-    three (B, H, Lq) in the compute dtype (float32 for half inputs); the maxima are zeros
-    unless the bias is huge; ``ran``: whether the kernel ran (False: the candidate kept)."""
+    """(out, lse, shift, inverse, ran): out (B, H, Lq, Dv), contiguous, and the three
+    (B, H, Lq) in the compute dtype (float32 for half inputs): the log-sum-exp, and each
+    row's shift m and 1/l, what the backward pass makes the weights from; ``ran``: whether
+    the kernel ran (False: the candidate kept)."""
     if sinks is not None:
         check_sinks(sinks, query)  # the values: what the graph could not read
     batch, heads, q_len = query.shape[:3]
@@ -151,16 +152,16 @@ def _forward_op(
     if candidate is not None and sdpa_trusted(candidate, query, key, bias, grad=grad, value=value):
         kept = candidate.to(compute, memory_format=torch.contiguous_format, copy=True)
         return kept, rows, rows.clone(), rows.clone(), _flag(False, query)
-    if batch == 0 or heads == 0:  # nothing to compute: an empty result
+    if 0 in (batch, heads, q_len, key.shape[2]):  # nothing to compute: zeros, lse −inf
         out = query.new_zeros((batch, heads, q_len, value.shape[3]), dtype=compute)
-        return out, rows, rows.clone(), rows.clone(), _flag(True, query)
+        lse = query.new_full((batch, heads, q_len), -math.inf, dtype=compute)
+        return out, lse, rows, rows.clone(), _flag(True, query)
     flags = (is_causal, causal_alignment, scale, dropout_p)
     with call_threads(query.device.type == "cpu"):
         q, k, v, b, problem = _problem(query, key, value, mask, bias, seed, flags)
-        out, lse, maxima = attention_forward(q, k, v, b, problem)
-    whole = lse.clone() if maxima is None else lse + maxima  # outputs never alias
-    maxima = rows if maxima is None else maxima
-    return out, whole, lse, maxima, _flag(True, query)
+        out, lse, shift, inverse = attention_forward(q, k, v, b, problem)
+    # lse, shift and inverse are views of one allocation: outputs of an operator never alias
+    return out, lse, shift.clone(), inverse.clone(), _flag(True, query)
 
 
 @_forward_op.register_fake
@@ -171,8 +172,8 @@ def _forward_fake(
     batch, heads, q_len = query.shape[:3]
     compute = _compute_dtype(query)
     out = query.new_empty((batch, heads, q_len, value.shape[3]), dtype=compute)
-    lse, part, maxima = (query.new_empty((batch, heads, q_len), dtype=compute) for _ in range(3))
-    return out, lse, part, maxima, query.new_empty((), dtype=torch.bool)
+    lse, shift, inverse = (query.new_empty((batch, heads, q_len), dtype=compute) for _ in "lmi")
+    return out, lse, shift, inverse, query.new_empty((), dtype=torch.bool)
 
 
 @torch.library.custom_op("qkv::tiled_attention_backward", mutates_args=())
@@ -186,8 +187,8 @@ def _backward_op(
     bias: torch.Tensor | None,
     seed: torch.Tensor | None,
     out: torch.Tensor,
-    lse: torch.Tensor,
-    maxima: torch.Tensor,
+    shift: torch.Tensor,
+    inverse: torch.Tensor,
     ran: torch.Tensor,
     is_causal: bool,
     causal_alignment: str,
@@ -209,15 +210,14 @@ def _backward_op(
             kept = grad_out.to(query.dtype, memory_format=torch.contiguous_format, copy=True)
         return [*zeros, kept]
     candidate = query.new_zeros(grad_out.shape) if wanted[4] else _nothing(query)
-    if query.shape[0] == 0 or query.shape[1] == 0:
+    if 0 in (*query.shape[:3], key.shape[2]):
         return [*zeros, candidate]
     flags = (is_causal, causal_alignment, scale, dropout_p)
     with call_threads(query.device.type == "cpu"):
         q, k, v, b, problem = _problem(query, key, value, mask, bias, seed, flags)
-        if problem.huge:  # exp(S' − m − log l), m subtracted first
-            problem = replace(problem, row_shift=maxima[..., None])
+        need_bias = bool(wanted[3]) and b is not None
         dq, dk, dv, dbias, _ = attention_backward(
-            q, k, v, b, out, lse, grad_out, grad_lse, problem, bool(wanted[3]) and b is not None
+            q, k, v, b, out, (shift, inverse), grad_out, grad_lse, problem, need_bias
         )
     grads = [dq, dk, dv, dbias]
     result = [
@@ -250,15 +250,15 @@ def _backward_fake(
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
     query, key, value, mask, bias, _, seed, _, is_causal, alignment, scale, p, _ = inputs
-    out, _, lse, maxima, ran = output
-    ctx.save_for_backward(query, key, value, mask, bias, seed, out, lse, maxima, ran)
+    out, _, shift, inverse, ran = output
+    ctx.save_for_backward(query, key, value, mask, bias, seed, out, shift, inverse, ran)
     ctx.flags = (is_causal, alignment, scale, p)
 
 
 def _backward(
     ctx: Any, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None, *_: Any
 ) -> tuple[torch.Tensor | None, ...]:
-    query, key, value, mask, bias, seed, out, lse, maxima, ran = ctx.saved_tensors
+    query, key, value, mask, bias, seed, out, shift, inverse, ran = ctx.saved_tensors
     need = ctx.needs_input_grad  # query, key, value, mask, bias, sinks, seed, candidate, …
     wanted = [bool(need[i]) for i in (0, 1, 2, 4, 7)]
     if grad_out is None:  # only the lse was used
@@ -273,8 +273,8 @@ def _backward(
         bias,
         seed,
         out,
-        lse,
-        maxima,
+        shift,
+        inverse,
         ran,
         *ctx.flags,
         wanted,

@@ -169,7 +169,9 @@ def key_padding(lengths: Sequence[int] | Array) -> Mask:
         length = np.asarray(listed)[b]  # (B, 1, 1, 1)
         return k0 < length, k1 - 1 < length
 
-    return Mask(rule, f"key_padding({listed})", blocks=blocks)
+    count = len(listed)
+    per_batch = (("key_padding", f"{count} length{'' if count == 1 else 's'}", count),)
+    return Mask(rule, f"key_padding({listed})", blocks=blocks, per_batch=per_batch)
 
 
 def prefix_lm(prefix: int | Sequence[int] | Array, *, alignment: Alignment = "top-left") -> Mask:
@@ -206,12 +208,15 @@ def prefix_lm(prefix: int | Sequence[int] | Array, *, alignment: Alignment = "to
         return k0 < length, k1 - 1 < length
 
     shown = listed if per_batch else listed[0]
+    count = len(listed)
+    held = (("prefix_lm", f"{count} prefix{'' if count == 1 else 'es'}", count),)
     in_prefix = Mask(rule, f"prefix({shown})", blocks=blocks)
     combined = causal(alignment) | in_prefix
     return Mask(
         combined._rule,
         f"prefix_lm({shown}, alignment={alignment!r})",
         blocks=combined._blocks,
+        per_batch=held if per_batch else (),
     )
 
 
@@ -276,7 +281,11 @@ def document(segment_ids: Sequence[int] | Array, kv_segment_ids: Any = None) -> 
         every = (q_low == q_high) & (k_low == k_high) & (q_low == k_low)
         return some, every
 
-    return Mask(rule, f"document({_ids_repr(q_ids)})", blocks=blocks)
+    held: tuple[tuple[str, str, int], ...] = ()
+    if q_ids.ndim == 2:
+        rows = int(q_ids.shape[0])
+        held = (("document", f"segment_ids for {rows} sequence{'' if rows == 1 else 's'}", rows),)
+    return Mask(rule, f"document({_ids_repr(q_ids)})", blocks=blocks, per_batch=held)
 
 
 def _segment_ids(ids: Any, name: str) -> np.ndarray:

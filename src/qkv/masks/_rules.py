@@ -46,6 +46,9 @@ class Mask:
         description: the repr, e.g. ``"causal('top-left')"``.
         op: ``"&"`` or ``"|"`` for a combination (for parentheses in the repr), else None.
         blocks: the block structure (see :meth:`blocks`), or None when unknown.
+        per_batch: for a rule made for a given batch size (one length per batch element):
+            ``(what it holds, how many)`` pairs, e.g. ``(("key_padding", "3 lengths", 3),)``;
+            :meth:`check_batch` refuses any other batch.
     """
 
     def __init__(
@@ -55,11 +58,13 @@ class Mask:
         op: str | None = None,
         *,
         blocks: BlockRule | None = None,
+        per_batch: tuple[tuple[str, str, int], ...] = (),
     ) -> None:
         self._rule = rule
         self._description = description
         self._op = op  # "&" or "|" for a combination, None for a single rule
         self._blocks = blocks
+        self._per_batch = per_batch
         self._combined = RuleCache()  # (op, id(other)) -> (other, the combination)
 
     def __repr__(self) -> str:
@@ -70,6 +75,31 @@ class Mask:
     ) -> Array:
         """Evaluate the rule on broadcast index arrays of namespace ``xp``."""
         return self._rule(b, h, q_idx, kv_idx, q_len, kv_len, xp)
+
+    @property
+    def per_batch(self) -> tuple[tuple[str, str, int], ...]:
+        """The parts made for a given batch size: ``(name, what it holds, how many)``."""
+        return self._per_batch
+
+    def check_batch(self, batch: int) -> None:
+        """Refuse a batch of another size than a per-batch part was made for (one length
+        per batch element): a longer list would be cut silently, a shorter one run out.
+
+        Example:
+            >>> from qkv.masks import key_padding
+            >>> try:
+            ...     key_padding([3, 4, 5]).check_batch(2)
+            ... except ValueError as error:
+            ...     print(str(error).split(". ")[0])
+            key_padding has 3 lengths but the batch has 2 elements
+        """
+        for name, held, count in self._per_batch:
+            if count != batch:
+                raise ValueError(
+                    f"{name} has {held} but the batch has {batch} element"
+                    f"{'' if batch == 1 else 's'}. Hint: give {name} one entry per batch "
+                    f"element ({batch})."
+                )
 
     @property
     def knows_blocks(self) -> bool:
@@ -104,7 +134,8 @@ class Mask:
             (some_a, every_a), (some_b, every_b) = self._block_pair(*a), other._block_pair(*a)
             return some_a & some_b, every_a & every_b
 
-        return Mask(lambda *a: self(*a) & other(*a), text, "&", blocks=blocks)
+        parts = self._per_batch + other._per_batch
+        return Mask(lambda *a: self(*a) & other(*a), text, "&", blocks=blocks, per_batch=parts)
 
     def __or__(self, other: Mask) -> Mask:
         _check_mask(other, "|")
@@ -114,14 +145,16 @@ class Mask:
             (some_a, every_a), (some_b, every_b) = self._block_pair(*a), other._block_pair(*a)
             return some_a | some_b, every_a | every_b
 
-        return Mask(lambda *a: self(*a) | other(*a), text, "|", blocks=blocks)
+        parts = self._per_batch + other._per_batch
+        return Mask(lambda *a: self(*a) | other(*a), text, "|", blocks=blocks, per_batch=parts)
 
     def __invert__(self) -> Mask:
         def blocks(*a: Any) -> tuple[np.ndarray, np.ndarray]:
             some, every = self._block_pair(*a)
             return ~every, ~some
 
-        return Mask(lambda *a: ~self(*a), f"~{_group(self, '~')}", blocks=blocks)
+        text = f"~{_group(self, '~')}"
+        return Mask(lambda *a: ~self(*a), text, blocks=blocks, per_batch=self._per_batch)
 
     def block_bounds(
         self,
@@ -164,6 +197,7 @@ class Mask:
             xp: the array namespace (NumPy by default), e.g. ``array_api_compat.torch``.
             device: where to build it (for PyTorch).
         """
+        self.check_batch(batch)
         if xp is None:
             xp = np
         b = xp.reshape(xp.arange(batch, device=device), (batch, 1, 1, 1))
@@ -203,6 +237,7 @@ class Mask:
                    [1, 1, 0],
                    [0, 1, 1]], dtype=int8)
         """
+        self.check_batch(batch)
         b = np.arange(batch).reshape(batch, 1, 1, 1)
         h = np.arange(heads).reshape(1, heads, 1, 1)
         q_start = np.arange(0, q_len, block_q).reshape(1, 1, -1, 1)

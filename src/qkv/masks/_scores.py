@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from qkv._array import Array
+from qkv._array import Array, is_torch_namespace, shape_str
 from qkv._array import device as array_device
 from qkv.masks._rules import Alignment, check_alignment, diagonal_offset
 
@@ -74,8 +75,17 @@ class ScoreMod:
         kv_len: int,
         xp: Any,
     ) -> Array:
-        """Apply the rule to scores laid out as the broadcast of the index arrays."""
-        return self._rule(score, b, h, q_idx, kv_idx, q_len, kv_len, xp)
+        """Apply the rule to scores laid out as the broadcast of the index arrays.
+
+        Raises:
+            ValueError: the rule returned no scores (None, a number, an array that does not
+                broadcast to the scores' shape), in one line that names what it returned.
+        """
+        result = self._rule(score, b, h, q_idx, kv_idx, q_len, kv_len, xp)
+        problem = _not_scores(result, score)
+        if problem is not None:
+            raise ValueError(_returned(self._description, problem, score))
+        return result
 
     def then(self, other: ScoreMod) -> ScoreMod:
         """This modifier, then ``other`` on its result.
@@ -99,8 +109,15 @@ def score_function(
 ) -> ScoreMod:
     """A score modifier from your own rule ``score_mod(score, b, h, q_idx, kv_idx) -> score``.
 
-    The rule must be elementwise (arithmetic, ``where``, ``tanh``, ...) on arrays that
-    broadcast against each other. Gradients flow through it to the queries and keys.
+    The rule is called on whole blocks of scores with index arrays that broadcast against
+    them (``b`` of shape (B, 1, 1, 1), ``q_idx`` (1, 1, Lq, 1), ...), which is fast for
+    elementwise code (arithmetic, ``where``, ``tanh``, ``table[q_idx - kv_idx]``,
+    ``bias[b, h, q_idx, kv_idx]``). On PyTorch tensors, a rule written for torch's
+    FlexAttention, which calls it on one element at a time, works as well: when the rule
+    fails on the broadcast arrays or returns the wrong shape (chained indexing such as
+    ``bias[b][q_idx]`` does both), qkv calls it per element as torch does (``torch.vmap``
+    over each axis), slower but the same numbers. Gradients flow through it to the queries,
+    the keys and the tensors it captures.
 
     Example:
         >>> import numpy as np
@@ -109,9 +126,96 @@ def score_function(
         array([[1.]])
     """
     label = name or getattr(score_mod, "__name__", "score_mod")
-    return ScoreMod(
-        lambda s, b, h, q, kv, lq, lk, xp: score_mod(s, b, h, q, kv), f"score_function({label})"
+    description = f"score_function({label})"
+    per_element = False  # set once the rule is found not to broadcast
+
+    def rule(s: Array, b: Array, h: Array, q: Array, kv: Array, lq: int, lk: int, xp: Any) -> Array:
+        nonlocal per_element
+        arrays = (s, b, h, q, kv)
+        if per_element:
+            return _per_element(score_mod, arrays)
+        failure: Exception | None = None
+        try:
+            result = score_mod(s, b, h, q, kv)
+        except Exception as error:  # the rule's own error, unless it works per element
+            failure = error
+        else:
+            problem = _not_scores(result, s)
+            if problem is None:
+                return result
+            if not hasattr(result, "shape"):  # None, a number: no evaluation gives scores
+                raise ValueError(_returned(description, problem, s))
+        found = None
+        if is_torch_namespace(xp):
+            with contextlib.suppress(Exception):  # the error to show is the first one
+                found = _per_element(score_mod, arrays)
+        if found is None or _not_scores(found, s) is not None:
+            if isinstance(failure, IndexError) and not is_torch_namespace(xp):
+                raise ValueError(
+                    f"{description} failed on broadcast index arrays ({failure}), and "
+                    "NumPy arrays cannot be evaluated one element at a time. Hint: index a "
+                    "table once, bias[b, q_idx] rather than bias[b][q_idx], or pass PyTorch "
+                    "tensors."
+                ) from failure
+            if failure is not None:
+                raise failure
+            raise ValueError(_returned(description, _not_scores(result, s) or "", s, xp))
+        per_element = True
+        return found
+
+    return ScoreMod(rule, description)
+
+
+def _not_scores(result: object, score: Array) -> str | None:
+    """What is wrong with a score modifier's result (None: it is scores): it must be an array
+    that broadcasts to the scores' shape."""
+    shape = getattr(result, "shape", None)
+    if shape is None or not hasattr(result, "dtype"):
+        return f"{type(result).__name__} {result!r}"[:80] if result is not None else "None"
+    want = tuple(int(n) for n in score.shape)
+    got = tuple(int(n) for n in shape)
+    fits = len(got) <= len(want) and all(
+        g in (1, w) for g, w in zip(reversed(got), reversed(want), strict=False)
     )
+    return None if fits else f"an array of shape {shape_str(got)}"
+
+
+def _returned(description: str, problem: str, score: Array, xp: Any = None) -> str:
+    hint = "return an expression of score, e.g. score + bias[h] or where(q_idx >= kv_idx, "
+    hint += "score, -inf)"
+    numpy = xp is not None and not is_torch_namespace(xp)
+    if numpy and problem.startswith("an array"):  # what a table indexed twice gives there
+        hint = "index a table once, bias[b, q_idx] rather than bias[b][q_idx]"
+    return (
+        f"score_mod must return the modified scores, an array that broadcasts to the scores' "
+        f"shape {shape_str(tuple(int(n) for n in score.shape))}; {description} returned "
+        f"{problem}. Hint: {hint}."
+    )
+
+
+def _per_element(fn: Callable[..., Any], arrays: tuple[Array, ...]) -> Array:
+    """``fn`` called on every element alone, as torch's FlexAttention calls a score_mod: one
+    ``torch.vmap`` per axis of the scores (outermost first), each over the arguments that
+    vary along that axis, so each call sees 0-d tensors and chained indexing
+    (``bias[b][q_idx]``) reads one entry. An index array enters only the levels of its own
+    axes, so ``bias[b]`` gathers B rows, not one per score."""
+    import torch
+
+    tensors = [torch.as_tensor(x) for x in arrays]
+    shape = torch.broadcast_shapes(*(t.shape for t in tensors))  # type: ignore[no-untyped-call]
+    ndim = len(shape)
+    reduced, axes = [], []
+    for i, t in enumerate(tensors):
+        t = t.reshape((1,) * (ndim - t.ndim) + tuple(t.shape))
+        # the scores enter every level of their size; an index array only where it varies
+        own = [d for d in range(ndim) if t.shape[d] == shape[d] and (i == 0 or shape[d] > 1)]
+        reduced.append(t.reshape([int(t.shape[d]) for d in own]))
+        axes.append(own)
+    mapped = fn
+    for d in reversed(range(ndim)):
+        in_dims = tuple(0 if d in own else None for own in axes)
+        mapped = torch.vmap(mapped, in_dims=in_dims)
+    return mapped(*reduced)
 
 
 def as_score_mod(score_mod: ScoreMod | Callable[..., Any] | None) -> ScoreMod | None:
