@@ -45,11 +45,14 @@ class FunctionReport(ReportData):
         isolation: for a ``FILE.py:NAME``, the isolation its code ran in (``bubblewrap``,
             ``namespaces`` or ``process``: docs/check-function.md); None for a function
             checked in this process.
+        with_mask: whether the function took a mask (kind attention with a fourth argument),
+            so that its probes included masked keys (not part of the JSON).
     """
 
     kind: str = "attention"
     array: str = "numpy"
     isolation: str | None = None
+    with_mask: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """``{"ok": bool, "findings": [...]}``, the schema of ``qkv check``; a number that is
@@ -155,7 +158,13 @@ def check_function(
     )
     title = name or getattr(fn, "__qualname__", None) or repr(fn)
     return FunctionReport(
-        name=title, source=None, tokens=(), findings=tuple(findings), kind=kind, array=used
+        name=title,
+        source=None,
+        tokens=(),
+        findings=tuple(findings),
+        kind=kind,
+        array=used,
+        with_mask=takes_mask(fn, kind),
     )
 
 
@@ -206,4 +215,5 @@ def check_function_file(
         kind=kind,
         array=done.array,
         isolation=done.isolation,
+        with_mask=done.with_mask,
     )
