@@ -233,7 +233,9 @@ def _with_progress(
 
     console = Console(stderr=True, highlight=False, emoji=False, markup=False)
     columns = (TextColumn("grading"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as bar:
+    with Progress(
+        *columns, console=console, transient=True, disable=not console.is_terminal
+    ) as bar:
         task = bar.add_task("grading", total=None)
 
         def tick(total: int, graded: Any) -> None:

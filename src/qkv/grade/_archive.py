@@ -107,8 +107,8 @@ def _extract_one(
             f"{name}: the entry {shown!r} would be written outside the folder it is unpacked "
             f"into (an absolute path or '..'). {hint}"
         )
-    mode = info.external_attr >> 16
-    if mode and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+    kind = stat.S_IFMT(info.external_attr >> 16)  # 0 where the zip's maker set no type
+    if kind not in (0, stat.S_IFREG, stat.S_IFDIR):
         raise ArchiveError(
             f"{name}: the entry {shown!r} is a link or a special file, not a file or a "
             f"folder. {hint}"

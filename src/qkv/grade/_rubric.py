@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from qkv._format import visible
 from qkv._read import FileLimitError, read_bytes
 from qkv.check import DIAGNOSES, FUNCTION_DIAGNOSES
 from qkv.grade._parts import PARTS
@@ -111,7 +112,7 @@ def parse_rubric(text: str, *, source: str = "<rubric>") -> Rubric:
     def fail(node: yaml.Node | None, where: str, problem: str, hint: str) -> RubricError:
         line = f", line {node.start_mark.line + 1}" if node is not None else ""
         field_ = f" {where}:" if where else ""
-        return RubricError(f"--rubric {source}{line}:{field_} {problem}. Hint: {hint}")
+        return RubricError(visible(f"--rubric {source}{line}:{field_} {problem}. Hint: {hint}"))
 
     try:
         for event in yaml.parse(text, Loader=yaml.SafeLoader):
@@ -220,6 +221,7 @@ def _describe(node: yaml.Node) -> str:
     shown = value if len(value) <= 40 else value[:37] + "..."
     if node.tag == "tag:yaml.org,2002:str":
         return f"the text {shown!r}"
-    if node.tag.startswith("tag:yaml.org,2002:"):
-        return f"{node.tag.rsplit(':', 1)[1]} {shown!r}"
-    return f"a value tagged {node.tag!r}"
+    core = node.tag.removeprefix("tag:yaml.org,2002:")
+    if core in ("int", "float", "bool", "null"):
+        return f"{core} {shown!r}"
+    return f"a value tagged {visible(core if core != node.tag else node.tag)!r}"

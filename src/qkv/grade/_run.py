@@ -70,19 +70,23 @@ def _safely(submission: Submission, settings: Settings) -> Grade:
 
 
 def _same_parts(grades: list[Grade]) -> list[Grade]:
-    """Give a grade that could not be checked the parts its classmates were graded on, so
-    that every row of one kind has the same ``max_score``."""
-    usual: dict[str, tuple[PartResult, ...]] = {}
-    by_kind = collections.defaultdict(list)
+    """Grade every submission of one kind on the same parts: those most of the class was
+    graded on. A part a submission lacks (a function without the mask argument in a class
+    whose functions take one, a submission that could not be checked) earns nothing."""
+    seen: dict[str, list[tuple[tuple[str, float], ...]]] = collections.defaultdict(list)
     for g in grades:
         if g.status in ("ok", "slip"):
-            by_kind[g.kind].append(tuple((p.part, p.max_score) for p in g.parts))
-    for kind, seen in by_kind.items():
-        common = collections.Counter(seen).most_common(1)[0][0]
-        usual[kind] = tuple(PartResult(part, 0.0, points) for part, points in common)
-    return [
-        dataclasses.replace(g, parts=usual[g.kind])
-        if g.status in ("error", "timeout") and g.kind in usual
-        else g
-        for g in grades
-    ]
+            seen[g.kind].append(tuple((p.part, p.max_score) for p in g.parts))
+    common = {kind: collections.Counter(s).most_common(1)[0][0] for kind, s in seen.items()}
+    out = []
+    for g in grades:
+        if g.kind not in common:
+            out.append(g)
+            continue
+        have = {p.part: p for p in g.parts}
+        parts = tuple(
+            have.get(part) or PartResult(part, 0.0, points, shown=g.status not in ("ok", "slip"))
+            for part, points in common[g.kind]
+        )
+        out.append(dataclasses.replace(g, parts=parts))
+    return out

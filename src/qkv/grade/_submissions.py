@@ -80,7 +80,7 @@ def student_name(entry: str, taken: set[str]) -> str:
         if stem.lower().endswith(suffix) and len(stem) > len(suffix):
             stem = stem[: -len(suffix)]
             break
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", stem).strip("._-")[:80] or "student"
+    name = re.sub(r"[^\w.-]+", "_", stem).strip("._-")[:80] or "student"
     unique, n = name, 1
     while unique.lower() in taken or unique.lower() in ("grades", "class"):
         n += 1
