@@ -251,10 +251,10 @@ COMMAND = Command(
     summary="grade a class: each student's slip, credit per step, the class page",
     description=(
         "Grade every submission in SUBMISSIONS (a folder with one .py file, folder or\n"
-        ".yaml worked example per student, or an exported zip) as 'qkv check' does: each\n"
-        "student's code runs sandboxed, in parallel (--jobs), with a time limit. Each part\n"
-        "of attention (scores, scaling, mask, softmax, weighted sum, heads) earns points\n"
-        "(--rubric); a step done right on an earlier slip keeps its points.\n\n"
+        ".yaml worked example per student, or an exported zip) as 'qkv check' does:\n"
+        "each student's code runs sandboxed, in parallel (--jobs), with a time limit.\n"
+        "Each part of attention (scores, scaling, mask, softmax, weighted sum, heads)\n"
+        "earns points (--rubric); a step done right on an earlier slip keeps its points.\n\n"
         "Writes into OUT: grades.csv (student, score, max_score, status, first_slip,\n"
         "slips), STUDENT.json (Gradescope's results.json schema), STUDENT.md (the\n"
         "feedback a student reads) and class.html (the teacher's page). A broken\n"
