@@ -15,7 +15,7 @@ from tests.grade.schemas import check_gradescope_results
 
 
 def test_the_kinds_of_help_are_the_registry() -> None:
-    assert _grade._KINDS == tuple(KINDS)
+    assert tuple(KINDS) == _grade._KINDS
 
 
 def test_help_has_an_example_and_fits_80_columns(capsys: pytest.CaptureFixture[str]) -> None:
