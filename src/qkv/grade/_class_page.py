@@ -21,8 +21,8 @@ from html import escape
 
 from qkv._format import number, visible
 from qkv.check import DIAGNOSES, FUNCTION_DIAGNOSES
-from qkv.grade._credit import Grade
-from qkv.grade._outputs import part_text, points
+from qkv.grade._credit import Grade, part_text
+from qkv.grade._outputs import points
 from qkv.grade._parts import PART_TITLES, PARTS
 
 __all__ = ["class_page"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from qkv._format import number, visible
 from qkv.check import Finding, FunctionReport, Report
 from qkv.check._probes import probes
 from qkv.examples import Example
@@ -31,6 +32,7 @@ from qkv.grade._parts import PART_TITLES, PARTS, part_of
 from qkv.grade._rubric import Rubric
 
 __all__ = [
+    "HIDDEN_NOTE",
     "STATUSES",
     "Grade",
     "PartResult",
@@ -38,6 +40,8 @@ __all__ = [
     "credit_function",
     "failed",
     "function_parts",
+    "part_text",
+    "seen",
 ]
 
 STATUSES = ("ok", "slip", "error", "timeout")
@@ -72,6 +76,11 @@ class PartResult:
     def title(self) -> str:
         """The part's name and formula, as a student reads it."""
         return PART_TITLES[self.part]
+
+    @property
+    def full(self) -> bool:
+        """Whether the part earned all its points."""
+        return self.score >= self.max_score
 
 
 @dataclass(frozen=True)
@@ -130,10 +139,57 @@ class Grade:
         """The first mistake's code (not a note), or an empty text."""
         return next((f.diagnosis or "" for f in self.findings if f.status == "mismatch"), "")
 
+    def part(self, name: str) -> PartResult:
+        """The result of the part ``name`` (``"scaling"``, ``"softmax"``, ...).
+
+        Raises:
+            KeyError: the grade has no such part; the message lists those it has.
+        """
+        for p in self.parts:
+            if p.part == name:
+                return p
+        raise KeyError(f"no part {name!r} in this grade; its parts: {[p.part for p in self.parts]}")
+
+    def feedback(self, name: str) -> str:
+        """What the student reads about the part ``name``: "Right.", or each slip in it in
+        ``qkv check``'s words with the numbers computed and the correct ones."""
+        return part_text(self, self.part(name))
+
     @property
     def first_wrong_part(self) -> str | None:
         """The first part that lost points, or None."""
         return next((p.part for p in self.parts if p.score < p.max_score), None)
+
+
+def seen(grade: Grade, finding: Finding) -> bool:
+    """Whether the student may see this finding's code, probe and numbers (not hidden)."""
+    return finding.token not in grade.hidden
+
+
+def part_text(grade: Grade, part: PartResult) -> str:
+    """What a student reads about one part, in plain text."""
+    if grade.status in ("error", "timeout"):
+        return grade.reason
+    if not part.shown:
+        return "Not shown: no claimed row at this step or after it, so nothing shows it was done."
+    lines: list[str] = []
+    for code in part.codes:
+        finding = next(f for f in part.findings if (f.diagnosis or "unrecognised") == code)
+        if not seen(grade, finding):
+            lines.append(HIDDEN_NOTE)
+            continue
+        kind = "note" if finding.status == "note" else "slip"
+        lines.append(f"{kind} {code}: {visible(finding.message)}")
+        if finding.printed:
+            lines.append("  computed: " + ", ".join(visible(p) for p in finding.printed))
+            lines.append("  correct:  " + ", ".join(number(x, 4) for x in finding.expected))
+    if not lines:
+        lines.append(
+            "Right, on the numbers of an earlier step that were wrong (follow-through credit)."
+            if part.follow_through
+            else "Right."
+        )
+    return "\n".join(dict.fromkeys(lines))
 
 
 def failed(

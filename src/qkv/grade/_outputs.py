@@ -27,7 +27,7 @@ from typing import Any
 
 from qkv._format import json_safe, markdown_escape, number, visible
 from qkv.check import Finding
-from qkv.grade._credit import HIDDEN_NOTE, Grade, PartResult
+from qkv.grade._credit import HIDDEN_NOTE, Grade, part_text, seen
 
 __all__ = ["CSV_COLUMNS", "feedback", "grades_csv", "gradescope", "gradescope_json", "points"]
 
@@ -68,37 +68,6 @@ def grades_csv(grades: Sequence[Grade]) -> str:
             ]
         )
     return buffer.getvalue()
-
-
-def _seen(grade: Grade, finding: Finding) -> bool:
-    """Whether the student may see this finding's code, probe and numbers."""
-    return finding.token not in grade.hidden
-
-
-def part_text(grade: Grade, part: PartResult) -> str:
-    """What a student reads about one part, in plain text."""
-    if grade.status in ("error", "timeout"):
-        return grade.reason
-    if not part.shown:
-        return "Not shown: no claimed row at this step or after it, so nothing shows it was done."
-    lines: list[str] = []
-    for code in part.codes:
-        finding = next(f for f in part.findings if (f.diagnosis or "unrecognised") == code)
-        if not _seen(grade, finding):
-            lines.append(HIDDEN_NOTE)
-            continue
-        kind = "note" if finding.status == "note" else "slip"
-        lines.append(f"{kind} {code}: {visible(finding.message)}")
-        if finding.printed:
-            lines.append("  computed: " + ", ".join(visible(p) for p in finding.printed))
-            lines.append("  correct:  " + ", ".join(number(x, 4) for x in finding.expected))
-    if not lines:
-        lines.append(
-            "Right, on the numbers of an earlier step that were wrong (follow-through credit)."
-            if part.follow_through
-            else "Right."
-        )
-    return "\n".join(dict.fromkeys(lines))
 
 
 def gradescope(grade: Grade) -> dict[str, Any]:
@@ -143,11 +112,11 @@ def gradescope(grade: Grade) -> dict[str, Any]:
 
 def _hidden_first(grade: Grade) -> bool:
     first = next((f for f in grade.findings if f.status == "mismatch"), None)
-    return first is not None and not _seen(grade, first)
+    return first is not None and not seen(grade, first)
 
 
 def _code_seen(grade: Grade, code: str) -> bool:
-    return any(f.diagnosis == code and _seen(grade, f) for f in grade.findings)
+    return any(f.diagnosis == code and seen(grade, f) for f in grade.findings)
 
 
 def gradescope_json(grade: Grade) -> str:
@@ -188,7 +157,7 @@ def feedback(grade: Grade) -> str:
 
 
 def _finding_markdown(grade: Grade, code: str, finding: Finding) -> list[str]:
-    if not _seen(grade, finding):
+    if not seen(grade, finding):
         return [HIDDEN_NOTE, ""]
     kind = "Note" if finding.status == "note" else "Slip"
     where = f"{finding.step}, {markdown_escape(visible(finding.token))}"
