@@ -124,3 +124,32 @@ def test_hidden_probes_name_no_slip_to_the_student_but_to_the_teacher(tmp_path: 
     # the teacher's page names both
     page = (out / "class.html").read_text()
     assert "<code>mask-ignored</code>" in page and "<code>unscaled</code>" in page
+
+
+def test_a_failed_write_leaves_the_grades_folder_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qkv import _io
+    from qkv.grade import Grade, PartResult, write_class
+
+    out = tmp_path / "grades"
+    out.mkdir()
+    (out / "grades.csv").write_text("the old grades\n")
+    grades = [Grade(n, "ok", (PartResult("scores", 1.0, 1.0),)) for n in ("ada", "bo", "cy")]
+    real = _io.write_atomic
+    written: list[str] = []
+
+    def full_disk(path: Path, text: str) -> None:
+        if len(written) == 3:
+            raise _io.WriteError(Path(path), OSError(28, "No space left on device"))
+        written.append(str(path))
+        real(path, text)
+
+    monkeypatch.setattr(_io, "write_atomic", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        write_class(out, grades, title="t")
+    assert sorted(p.name for p in out.iterdir()) == ["grades.csv"]
+    assert (out / "grades.csv").read_text() == "the old grades\n"
+    monkeypatch.setattr(_io, "write_atomic", real)
+    assert write_class(out, grades, title="t")[-2:] == ["class.html", "grades.csv"]
+    assert (out / "grades.csv").read_text().splitlines()[1] == "ada,1,1,ok,,"

@@ -209,18 +209,32 @@ def _run(args: argparse.Namespace) -> int:
         out.mkdir(exist_ok=True)
         _io.write_atomic(out / "results.json", grade.gradescope_json(grades[0]))
         print(f"qkv: wrote {visible(str(out / 'results.json'))} (Gradescope)", file=sys.stderr)
+        _warn_weak([grades[0].isolation] if grades[0].isolation else [])
         return 0
     title = args.title or f"{source.stem or source.name} · {args.kind}"
     grade.write_class(out, grades, title=title)
     counts = ", ".join(
         f"{n} {s}" for s in grade.STATUSES if (n := sum(g.status == s for g in grades))
     )
+    levels = sorted({g.isolation for g in grades if g.isolation})
+    ran = f", code run under {', '.join(levels)}" if levels else ""
     print(
-        f"qkv: graded {len(grades)} submissions ({counts}); wrote grades.csv, class.html and "
-        f"each student's .json and .md into {visible(str(out))}",
+        f"qkv: graded {len(grades)} submissions ({counts}{ran}); wrote grades.csv, "
+        f"class.html and each student's .json and .md into {visible(str(out))}",
         file=sys.stderr,
     )
+    _warn_weak(levels)
     return 0
+
+
+def _warn_weak(levels: list[str]) -> None:
+    """Say so when students' code ran with access to this user's files."""
+    if any(level != "bubblewrap" for level in levels):
+        print(
+            "qkv: warning: without bubblewrap the students' code could read and write your "
+            "files. Hint: apt install bubblewrap (docs/check-function.md, Isolation)",
+            file=sys.stderr,
+        )
 
 
 def _with_progress(

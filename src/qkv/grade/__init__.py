@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -98,14 +99,29 @@ def grade_class(
 
 def write_class(out: str | os.PathLike[str], grades: Sequence[Grade], *, title: str) -> list[str]:
     """Write ``grades.csv``, ``STUDENT.json``, ``STUDENT.md`` and ``class.html`` into the
-    folder ``out`` (made if missing), each file atomically; return the names written."""
+    folder ``out`` (made if missing); return the names written.
+
+    All or nothing: every file is written first into a temporary folder inside ``out``, and
+    only when all are written are they moved into place; a failure (a full disk) leaves
+    ``out`` as it was.
+
+    Raises:
+        OSError: a file cannot be written (``qkv._io.WriteError``, naming the file).
+    """
     folder = Path(out)
     folder.mkdir(exist_ok=True)
-    names = []
+    files = {}
     for grade in grades:
-        for suffix, text in ((".json", gradescope_json(grade)), (".md", feedback(grade))):
-            _io.write_atomic(folder / f"{grade.student}{suffix}", text)
-            names.append(grade.student + suffix)
-    _io.write_atomic(folder / "class.html", class_page(grades, title=title))
-    _io.write_atomic(folder / "grades.csv", grades_csv(grades))
-    return [*names, "class.html", "grades.csv"]
+        files[f"{grade.student}.json"] = gradescope_json(grade)
+        files[f"{grade.student}.md"] = feedback(grade)
+    files["class.html"] = class_page(grades, title=title)
+    files["grades.csv"] = grades_csv(grades)
+    staging = Path(tempfile.mkdtemp(prefix=".qkv-grade-", dir=folder))
+    try:
+        for name, text in files.items():
+            _io.write_atomic(staging / name, text)
+        for name in files:
+            os.replace(staging / name, folder / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return list(files)

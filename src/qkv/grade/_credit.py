@@ -98,6 +98,7 @@ class Grade:
         hidden: the probes whose inputs the student's feedback must not show.
         example: for a worked example, the steps' rows: (step, token) → (claimed numbers
             as printed, correct numbers), for the class page.
+        isolation: for code run sandboxed, the isolation it ran at (``bubblewrap``, ...).
     """
 
     student: str
@@ -111,6 +112,7 @@ class Grade:
     example: dict[tuple[str, str], tuple[tuple[str, ...], tuple[float, ...]]] = field(
         default_factory=dict
     )
+    isolation: str | None = None
 
     @property
     def score(self) -> float:
@@ -259,6 +261,7 @@ def credit_function(
         title=report.name,
         findings=report.findings,
         hidden=secret,
+        isolation=report.isolation,
     )
 
 
