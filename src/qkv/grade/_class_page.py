@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import base64
 import collections
+import dataclasses
 import hashlib
 from collections.abc import Sequence
 from html import escape
 
 from qkv._format import number, visible
 from qkv.check import DIAGNOSES, FUNCTION_DIAGNOSES
-from qkv.grade._credit import Grade, part_text
+from qkv.grade._credit import Grade, PartResult, part_text
 from qkv.grade._outputs import points
 from qkv.grade._parts import PART_TITLES, PARTS
 
@@ -206,11 +207,6 @@ def _students(grades: Sequence[Grade]) -> str:
     return "\n".join(out)
 
 
-def _teacher_text(grade: Grade, part: object) -> str:
-    """The teacher sees hidden probes too."""
-    from dataclasses import replace
-
-    from qkv.grade._credit import PartResult
-
-    assert isinstance(part, PartResult)
-    return part_text(replace(grade, hidden=frozenset()), part)
+def _teacher_text(grade: Grade, part: PartResult) -> str:
+    """What the student reads about a part, hidden probes shown: the page is the teacher's."""
+    return part_text(dataclasses.replace(grade, hidden=frozenset()), part)

@@ -47,6 +47,8 @@ class Settings:
         rubric: points per part and per slip.
         hidden: hide every probe but the first from the students' feedback.
         inputs: the worked example every submission had to use (claims only), or None.
+        inputs_text: the text of that example's file (a claims-only submission is read with
+            it appended).
         mask_means, array, alignment, batched, timeout, isolation: as ``qkv check
             --function``.
     """
