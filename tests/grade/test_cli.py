@@ -153,3 +153,24 @@ def test_a_failed_write_leaves_the_grades_folder_as_it_was(
     monkeypatch.setattr(_io, "write_atomic", real)
     assert write_class(out, grades, title="t")[-2:] == ["class.html", "grades.csv"]
     assert (out / "grades.csv").read_text().splitlines()[1] == "ada,1,1,ok,,"
+
+
+def test_a_function_without_the_mask_argument_loses_the_mask_part(tmp_path: Path) -> None:
+    folder = tmp_path / "class"
+    folder.mkdir()
+    (folder / "ada.py").write_text(RIGHT)
+    (folder / "bo.py").write_text(RIGHT)
+    (folder / "cy.py").write_text(
+        "import numpy as np\ndef attention(Q, K, V):\n    s = Q @ K.T / np.sqrt(Q.shape[-1])\n"
+        "    w = np.exp(s - s.max(-1, keepdims=True))\n    return w / w.sum(-1, keepdims=True) @ V\n"
+    )
+    out = tmp_path / "out"
+    assert main(["grade", str(folder), "-o", str(out), "-j", "2"]) == 0
+    assert (out / "grades.csv").read_text().splitlines()[1:] == [
+        "ada,5,5,ok,,",
+        "bo,5,5,ok,,",
+        "cy,4,5,ok,,",
+    ]
+    tests = json.loads((out / "cy.json").read_text())["tests"]
+    mask = next(t for t in tests if t["name"].startswith("mask"))
+    assert mask["score"] == 0 and mask["output"].startswith("Not graded: the function does not")

@@ -172,8 +172,10 @@ def part_text(grade: Grade, part: PartResult) -> str:
     """What a student reads about one part, in plain text."""
     if grade.status in ("error", "timeout"):
         return grade.reason
-    if not part.shown:
+    if not part.shown and grade.kind == "example":
         return "Not shown: no claimed row at this step or after it, so nothing shows it was done."
+    if not part.shown:
+        return "Not graded: the function does not take what this part needs (the mask argument?)."
     lines: list[str] = []
     for code in part.codes:
         finding = next(f for f in part.findings if (f.diagnosis or "unrecognised") == code)
