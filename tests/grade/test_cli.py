@@ -162,7 +162,8 @@ def test_a_function_without_the_mask_argument_loses_the_mask_part(tmp_path: Path
     (folder / "bo.py").write_text(RIGHT)
     (folder / "cy.py").write_text(
         "import numpy as np\ndef attention(Q, K, V):\n    s = Q @ K.T / np.sqrt(Q.shape[-1])\n"
-        "    w = np.exp(s - s.max(-1, keepdims=True))\n    return w / w.sum(-1, keepdims=True) @ V\n"
+        "    w = np.exp(s - s.max(-1, keepdims=True))\n"
+        "    return w / w.sum(-1, keepdims=True) @ V\n"
     )
     out = tmp_path / "out"
     assert main(["grade", str(folder), "-o", str(out), "-j", "2"]) == 0
