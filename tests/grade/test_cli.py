@@ -175,3 +175,13 @@ def test_a_function_without_the_mask_argument_loses_the_mask_part(tmp_path: Path
     tests = json.loads((out / "cy.json").read_text())["tests"]
     mask = next(t for t in tests if t["name"].startswith("mask"))
     assert mask["score"] == 0 and mask["output"].startswith("Not graded: the function does not")
+
+
+def test_grading_twice_into_a_folder_inside_the_submissions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "ada.py").write_text(RIGHT)
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        assert main(["grade", ".", "-o", "grades", "-j", "1"]) == 0
+        assert (tmp_path / "grades" / "grades.csv").read_text().splitlines()[1:] == ["ada,5,5,ok,,"]

@@ -240,6 +240,7 @@ def _warn_weak(levels: list[str]) -> None:
 def _with_progress(
     args: argparse.Namespace, source: Path, settings: Any, single: bool
 ) -> list[Any]:
+    """Grade with a progress bar on a terminal (nothing elsewhere)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -256,7 +257,13 @@ def _with_progress(
             bar.update(task, total=total, advance=0 if graded is None else 1)
 
         return grade_class(
-            source, settings, jobs=args.jobs, code_file=args.file, single=single, progress=tick
+            source,
+            settings,
+            jobs=args.jobs,
+            code_file=args.file,
+            single=single,
+            skip=args.output,
+            progress=tick,
         )
 
 

@@ -75,10 +75,12 @@ def grade_class(
     jobs: int = 1,
     code_file: str | None = None,
     single: bool = False,
+    skip: str | os.PathLike[str] | None = None,
     progress: Callable[[int, Grade | None], None] | None = None,
 ) -> list[Grade]:
     """Grade every submission in ``source`` (a folder or a zip; with ``single``, one
-    student's file or folder). ``progress(total, grade)`` is called once with no grade when
+    student's file or folder); ``skip`` is a folder in ``source`` that is no submission (the
+    output folder). ``progress(total, grade)`` is called once with no grade when
     the submissions are known, then once per graded submission.
 
     Raises:
@@ -86,7 +88,13 @@ def grade_class(
         ValueError: ``source`` is no folder or zip; an isolation not available here.
     """
     with tempfile.TemporaryDirectory(prefix="qkv-grade-") as work:
-        found = collect(Path(source), Path(work), code_file=code_file, single=single)
+        found = collect(
+            Path(source),
+            Path(work),
+            code_file=code_file,
+            single=single,
+            skip=None if skip is None else Path(skip),
+        )
         if progress is not None:
             progress(len(found), None)
         return grade_all(

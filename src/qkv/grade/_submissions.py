@@ -90,13 +90,19 @@ def student_name(entry: str, taken: set[str]) -> str:
 
 
 def collect(
-    source: Path, work: Path, *, code_file: str | None = None, single: bool = False
+    source: Path,
+    work: Path,
+    *,
+    code_file: str | None = None,
+    single: bool = False,
+    skip: Path | None = None,
 ) -> list[Submission]:
     """The submissions in ``source`` (a folder or a zip), code copied under ``work``.
 
     ``single`` takes ``source`` itself as one student's submission (a file or a folder, as
     Gradescope's ``/autograder/submission``). ``code_file`` names the ``.py`` file of a
-    folder (default: its only ``.py`` file).
+    folder (default: its only ``.py`` file). ``skip`` is a folder that is no submission
+    (the output folder, when it is inside the submissions).
 
     Raises:
         ArchiveError: a zip that cannot be unpacked safely.
@@ -115,7 +121,7 @@ def collect(
                 break  # one student's folder, not a wrapper
             entries = _entries(entries[0])
     elif source.is_dir():
-        entries = _entries(source)
+        entries = [e for e in _entries(source) if skip is None or not _same(e, skip)]
     else:
         raise ValueError(
             f"SUBMISSIONS {visible(str(source))!r} is not a folder or a zip file. Hint: give "
@@ -123,6 +129,13 @@ def collect(
             "your course platform exported"
         )
     return [_one(entry, work, taken, code_file) for entry in entries]
+
+
+def _same(entry: Path, other: Path) -> bool:
+    try:
+        return entry.resolve() == other.resolve()
+    except OSError:
+        return False
 
 
 def _entries(folder: Path) -> list[Path]:
