@@ -269,7 +269,7 @@ def _with_progress(
 
 COMMAND = Command(
     name="grade",
-    summary="grade a class: each student's slip, credit per step, the class page",
+    summary="grade a class: name each student's slip, give credit per step",
     description=(
         "Grade every submission in SUBMISSIONS (a folder with one .py file, folder or\n"
         ".yaml worked example per student, or an exported zip) as 'qkv check' does:\n"
