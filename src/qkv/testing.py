@@ -11,6 +11,10 @@ folder, a scrubbed environment, resource limits, nothing outliving the check; un
 bubblewrap, where installed, a read-only system and no network: docs/check-function.md).
 Loading a file runs its code, as ``python FILE.py`` would.
 
+:func:`grade_attention` gives the same check as credit per step (the parts of ``qkv grade``:
+scores, scaling, mask, softmax, weighted sum, heads), for a notebook cell or an autograder
+that reports points (docs/grading.md).
+
 Example:
     >>> import numpy as np
     >>> def attention(Q, K, V):
@@ -20,6 +24,9 @@ Example:
     >>> report = check_attention(attention, kind="attention")
     >>> report.ok, [f.diagnosis for f in report.findings]
     (False, ['unscaled'])
+    >>> grade = grade_attention(attention)
+    >>> grade.score, grade.max_score, [(p.part, p.score) for p in grade.parts][:2]
+    (3.0, 4.0, [('scores', 1.0), ('scaling', 0.0)])
 """
 
 from __future__ import annotations
@@ -30,13 +37,18 @@ from typing import Any
 from qkv.check import FUNCTION_DIAGNOSES, FunctionError, FunctionReport
 from qkv.check import check_function as _check_function
 from qkv.check import check_function_file as _check_function_file
+from qkv.grade import Grade, PartResult, Rubric, load_rubric
+from qkv.grade._credit import credit_function
 
 __all__ = [
     "FUNCTION_DIAGNOSES",
     "FunctionError",
     "FunctionReport",
+    "Grade",
+    "PartResult",
     "assert_attention",
     "check_attention",
+    "grade_attention",
 ]
 
 
@@ -144,3 +156,56 @@ def assert_attention(
                 lines.append(f"  returned: {', '.join(f.printed)}")
                 lines.append(f"  correct:  {', '.join(f'{x:.4f}' for x in f.expected)}")
         raise AssertionError("\n".join(lines))
+
+
+def grade_attention(
+    fn: Callable[..., Any] | str,
+    kind: str = "attention",
+    *,
+    rubric: Rubric | str | None = None,
+    hidden: bool = False,
+    student: str = "student",
+    mask_means: str = "allow",
+    array: str = "auto",
+    alignment: str = "top-left",
+    timeout: float = 20.0,
+    batched: bool = False,
+    isolation: str = "auto",
+) -> Grade:
+    """Grade an attention function per step: the credit ``qkv grade`` gives it.
+
+    The check is :func:`check_attention`'s (the same arguments); each part of the mechanism
+    (``grade.parts``: scores, scaling, mask, softmax, weighted sum, heads) earns its points
+    unless a slip found in it costs them; a part computed right on an earlier slip keeps
+    its points (follow-through).
+
+    Args:
+        rubric: a :class:`~qkv.grade.Rubric`, the path of a rubric file, or None (1 point
+            per part, a slip costs its part's points).
+        hidden: hide every probe but the first from the feedback (``qkv grade --hidden``).
+        student: the name the grade carries.
+
+    Returns:
+        The :class:`~qkv.grade.Grade`: ``score``, ``max_score``, ``status`` (``ok`` or
+        ``slip``), ``first_slip``, ``slips``, and ``parts``, each with its ``part``,
+        ``score``, ``max_score``, ``codes`` and ``findings``.
+
+    Raises:
+        FunctionError: the function cannot be loaded or called (as :func:`check_attention`).
+        ValueError: an unknown option, or a rubric file that cannot be used (``RubricError``).
+    """
+    report = check_attention(
+        fn,
+        kind,
+        mask_means=mask_means,
+        array=array,
+        alignment=alignment,
+        timeout=timeout,
+        batched=batched,
+        isolation=isolation,
+    )
+    if rubric is None:
+        rubric = Rubric()
+    elif isinstance(rubric, str):
+        rubric = load_rubric(rubric)
+    return credit_function(student, report, rubric, batched=batched, hidden=hidden)

@@ -59,6 +59,8 @@ class FunctionReport(ReportData):
         isolation: for a ``FILE.py:NAME``, the isolation its code ran in (``bubblewrap``,
             ``namespaces`` or ``process``: docs/check-function.md); None for a function
             checked in this process.
+        with_mask: whether the function took a mask (kind attention with a fourth argument),
+            so that its probes included masked keys (not part of the JSON).
 
     Its JSON (:meth:`to_dict`, :meth:`to_json`) is that of ``qkv check``: a number that is not
     finite (NaN, inf, as a function may return) is ``null``.
@@ -69,6 +71,7 @@ class FunctionReport(ReportData):
     about: str = ""
     file_error: str | None = None
     isolation: str | None = None
+    with_mask: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """``{"ok": bool, "findings": [...]}``, with ``"isolation"`` for a file, and
@@ -239,7 +242,13 @@ def check_function(
     findings = diagnose(spec, outcomes, lifted=lifted(used), batched=batched)
     title = name or getattr(fn, "__qualname__", None) or repr(fn)
     return FunctionReport(
-        name=title, source=None, tokens=(), findings=tuple(findings), kind=kind, array=used
+        name=title,
+        source=None,
+        tokens=(),
+        findings=tuple(findings),
+        kind=kind,
+        array=used,
+        with_mask=takes_mask(fn, kind),
     )
 
 
@@ -295,6 +304,7 @@ def check_function_file(
         array=run.array,
         file_error=run.file_error,
         isolation=run.isolation,
+        with_mask=run.with_mask,
     )
 
 

@@ -20,7 +20,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from qkv.cli import _bench, _check, _evaluate, _examples, _explain, _train
+from qkv.cli import _bench, _check, _evaluate, _examples, _explain, _grade, _train
 from qkv.cli._common import Command, CommandError, Parser, examples_block, one_line
 
 __all__ = ["COMMANDS", "build_parser", "main"]
@@ -28,6 +28,7 @@ __all__ = ["COMMANDS", "build_parser", "main"]
 COMMANDS: tuple[Command, ...] = (
     _explain.COMMAND,
     _check.COMMAND,
+    _grade.COMMAND,
     _examples.COMMAND,
     _bench.COMMAND,
     _train.COMMAND,

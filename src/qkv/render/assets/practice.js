@@ -415,6 +415,70 @@
     view.progress.textContent = right + " of " + total + " rows right.";
   }
 
+  // -- handing in ----------------------------------------------------------------------------
+
+  // The typed rows as a worked example that claims only numbers (qkv grade reads it with
+  // --inputs, the example this page was made from): every fully typed row of a step a worked
+  // example can claim, its token by position, its numbers as typed (digits kept).
+  const CLAIMABLE = ["Q", "K", "V", "scores", "scaled", "weights", "context", "output"];
+
+  function handInText() {
+    const lines = [
+      "# Handed in from a qkv practice page. Grade it with:",
+      "#   qkv grade FOLDER -o OUT --kind example --inputs EXAMPLE.yaml",
+      "x-practice: " + JSON.stringify(P.id),
+      "claimed:",
+    ];
+    let count = 0;
+    for (const step of steps) {
+      if (step.head !== null || CLAIMABLE.indexOf(step.step) < 0) continue;
+      const rows = [];
+      for (const row of step.rows) {
+        const numbers = typedRow(step.key, row.t);
+        if (!numbers) continue;
+        const texts = saved.typed[step.key][row.t].map((x) =>
+          String(x).trim().replace(/^[−–]/, "-").replace(",", ".")
+        );
+        rows.push("    " + row.t + ": [" + texts.join(", ") + "]");
+      }
+      if (rows.length) {
+        lines.push("  " + step.step + ":");
+        lines.push(...rows);
+        count += rows.length;
+      }
+    }
+    return { text: lines.join("\n") + "\n", count: count };
+  }
+
+  function buildHandIn() {
+    const name = el("input", { type: "text", id: "qkv-handin-name", autocomplete: "name" });
+    name.setAttribute("aria-describedby", "qkv-handin-help");
+    const label = el("label", { for: "qkv-handin-name", text: "Your name" });
+    const button = el("button", { type: "button", id: "qkv-handin", text: "Hand in" });
+    const help = el("span", {
+      id: "qkv-handin-help",
+      class: "note",
+      text: "saves your rows as a file (NAME.yaml) for your teacher",
+    });
+    button.addEventListener("click", () => {
+      const made = handInText();
+      if (!made.count) {
+        say("Type at least one whole row before handing in: there is nothing to hand in yet.");
+        return;
+      }
+      const who = name.value.trim().replace(/[^\p{L}\p{N}_-]+/gu, "_").slice(0, 60);
+      const file = (who || "handin") + ".yaml";
+      const link = el("a", { download: file });
+      link.href = URL.createObjectURL(new Blob([made.text], { type: "application/x-yaml" }));
+      document.body.append(link);
+      link.click();
+      link.remove();
+      setTimeout(() => URL.revokeObjectURL(link.href), 60000);
+      say("Saved " + made.count + " rows as " + file + ": hand that file to your teacher.");
+    });
+    return el("span", { class: "practice-handin" }, [label, name, button, help]);
+  }
+
   function buildPractice() {
     const box = el("section", { class: "practice", "aria-labelledby": "qkv-practice-title" });
     const title = "Practice: compute each step yourself";
@@ -441,7 +505,7 @@
       view.box.replaceWith(buildPractice());
       progress();
     });
-    const bar = el("div", { class: "practice-bar" }, [view.progress, reset]);
+    const bar = el("div", { class: "practice-bar" }, [view.progress, reset, buildHandIn()]);
     box.append(view.edited, view.status, bar);
     box.append(buildInputs());
     steps.forEach((step, i) => box.append(buildStep(step, i + 1)));

@@ -1,0 +1,301 @@
+"""``qkv grade``: grade a class's attention functions or worked examples (docs/grading.md).
+
+Exit status: 0 when every submission has a grade (whatever the grades), 2 for a teacher's
+mistake (a missing folder, a bad rubric, a zip that cannot be unpacked safely), with one line.
+A student's broken submission is a graded row (``error`` or ``timeout``), never a stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from qkv._format import visible
+from qkv.cli._check import _ALIGNMENTS, _ARRAYS, _ISOLATIONS, _MASK_MEANINGS, _seconds
+from qkv.cli._common import Command, CommandError, int_in_range
+
+_KINDS = ("attention", "causal", "multi-head", "example")  # qkv.grade.KINDS, for a fast --help
+_FORMATS = ("files", "gradescope")
+
+
+def _configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "submissions",
+        nargs="?",
+        metavar="SUBMISSIONS",
+        help="a folder with one entry per student (a .py file, a folder, or a .yaml worked "
+        "example), or the zip your course platform exported; RUNS the students' code, "
+        "sandboxed",
+    )
+    parser.add_argument(
+        "--output",
+        "-o",
+        metavar="OUT",
+        help="the folder to write the grades into (made if missing)",
+    )
+    parser.add_argument(
+        "--kind",
+        choices=_KINDS,
+        default="attention",
+        help="what each submission holds: attention: FUNCTION(Q, K, V[, mask]); causal; "
+        "multi-head: FUNCTION(X, W_q, W_k, W_v, W_o, num_heads); example: a worked example "
+        "(.yaml files are worked examples with any kind) (default: attention)",
+    )
+    parser.add_argument(
+        "--function",
+        metavar="NAME",
+        default="attention",
+        help="the function each .py file defines (default: attention)",
+    )
+    parser.add_argument(
+        "--file",
+        metavar="NAME.py",
+        help="in a student's folder, the file with the function (default: its only .py file)",
+    )
+    parser.add_argument(
+        "--inputs",
+        metavar="FILE.yaml",
+        help="a worked example without claims: the inputs "
+        "everyone had to use; each submission then only claims numbers",
+    )
+    parser.add_argument(
+        "--rubric",
+        metavar="FILE.yaml",
+        help="points per part and per slip code (default: 1 point per part; docs/grading.md)",
+    )
+    parser.add_argument(
+        "--hidden",
+        action="store_true",
+        help="hide every probe but the first from the students: "
+        "their feedback says a hidden probe failed, without its inputs",
+    )
+    parser.add_argument(
+        "--jobs",
+        "-j",
+        type=int_in_range(1, 256),
+        default=os.cpu_count() or 1,
+        metavar="N",
+        help="submissions checked at once (default: the number of CPUs)",
+    )
+    parser.add_argument(
+        "--format",
+        choices=_FORMATS,
+        default="files",
+        help="files: grades.csv, STUDENT.json, "
+        "STUDENT.md and class.html; gradescope: SUBMISSIONS is one student's submission, "
+        "and OUT gets the results.json Gradescope reads (default: files)",
+    )
+    parser.add_argument("--title", metavar="TEXT", help="the class page's title")
+    group = parser.add_argument_group("as 'qkv check --function'")
+    group.add_argument(
+        "--mask-means",
+        choices=_MASK_MEANINGS,
+        default="allow",
+        help="the mask given to FUNCTION(Q, K, V, mask) (default: allow)",
+    )
+    group.add_argument(
+        "--array",
+        choices=_ARRAYS,
+        default="auto",
+        help="probe with NumPy arrays or torch tensors (default: auto)",
+    )
+    group.add_argument(
+        "--causal-alignment",
+        choices=_ALIGNMENTS,
+        default="top-left",
+        help="the causal rule meant when Lq != Lk (default: top-left)",
+    )
+    group.add_argument(
+        "--batched",
+        action="store_true",
+        help="also require batched (B, H, L, d) inputs (a part of its own)",
+    )
+    group.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=20.0,
+        metavar="SECONDS",
+        help="stop a submission's process after SECONDS (default: 20)",
+    )
+    group.add_argument(
+        "--isolation",
+        choices=_ISOLATIONS,
+        default="auto",
+        help="how the students' code is kept from this machine (default: auto, "
+        "the strongest available; docs/check-function.md)",
+    )
+
+
+def _settings(args: argparse.Namespace) -> Any:
+    from qkv import examples
+    from qkv._read import read_bytes
+    from qkv.grade import Settings, load_rubric
+
+    rubric = load_rubric(args.rubric) if args.rubric else None
+    inputs, inputs_text = None, ""
+    if args.inputs:
+        if Path(args.inputs).suffix.lower() not in (".yaml", ".yml"):
+            raise CommandError(
+                f"--inputs {visible(args.inputs)!r} must be a .yaml worked example. Hint: "
+                "'qkv examples --show i-love-statistics > inputs.yaml', then remove 'claimed:'"
+            )
+        inputs = examples.load(args.inputs)
+        if inputs.claimed or inputs.head_claimed:
+            raise CommandError(
+                f"--inputs {visible(args.inputs)!r} claims numbers; it must hold only the "
+                "inputs everyone uses. Hint: remove its 'claimed:' section"
+            )
+        inputs_text = read_bytes(args.inputs, limit=1 << 20, what="a worked example").decode()
+    if args.hidden and args.kind == "example":
+        raise CommandError(
+            "--hidden hides probes of code (--kind attention, causal or multi-head); a worked "
+            "example has none. Hint: leave out --hidden"
+        )
+    base = {} if rubric is None else {"rubric": rubric}
+    return Settings(
+        kind=args.kind,
+        function=args.function,
+        hidden=args.hidden,
+        inputs=inputs,
+        inputs_text=inputs_text,
+        mask_means=args.mask_means,
+        array=args.array,
+        alignment=args.causal_alignment,
+        batched=args.batched,
+        timeout=args.timeout,
+        isolation=args.isolation,
+        **base,
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.submissions is None or args.output is None:
+        raise CommandError(
+            "give SUBMISSIONS and -o OUT. Hint: 'qkv grade submissions/ -o grades/ --kind "
+            "attention' (see 'qkv grade --help')"
+        )
+    if not args.function.isidentifier():
+        raise CommandError(
+            f"--function must be a Python name, got {visible(args.function)!r}. Hint: "
+            "--function attention"
+        )
+    source = Path(args.submissions)
+    if not source.exists():
+        raise CommandError(
+            f"SUBMISSIONS {visible(args.submissions)!r}: no such file or folder. Hint: "
+            "check the path"
+        )
+    out = Path(args.output)
+    if out.exists() and not out.is_dir():
+        raise CommandError(
+            f"--output {visible(args.output)!r} is a file; it must be a folder. Hint: -o grades/"
+        )
+    if not out.parent.is_dir():
+        raise CommandError(
+            f"--output {visible(args.output)!r}: the folder {visible(str(out.parent))!r} "
+            "does not exist. Hint: create it first"
+        )
+    settings = _settings(args)
+    from qkv import grade
+
+    single = args.format == "gradescope"
+    grades = _with_progress(args, source, settings, single)
+    if single:
+        from qkv import _io
+
+        out.mkdir(exist_ok=True)
+        _io.write_atomic(out / "results.json", grade.gradescope_json(grades[0]))
+        print(f"qkv: wrote {visible(str(out / 'results.json'))} (Gradescope)", file=sys.stderr)
+        _warn_weak([grades[0].isolation] if grades[0].isolation else [])
+        return 0
+    title = args.title or f"{source.stem or source.name} · {args.kind}"
+    grade.write_class(out, grades, title=title)
+    counts = ", ".join(
+        f"{n} {s}" for s in grade.STATUSES if (n := sum(g.status == s for g in grades))
+    )
+    levels = sorted({g.isolation for g in grades if g.isolation})
+    ran = f", code run under {', '.join(levels)}" if levels else ""
+    print(
+        f"qkv: graded {len(grades)} submissions ({counts}{ran}); wrote grades.csv, "
+        f"class.html and each student's .json and .md into {visible(str(out))}",
+        file=sys.stderr,
+    )
+    _warn_weak(levels)
+    return 0
+
+
+def _warn_weak(levels: list[str]) -> None:
+    """Say so when students' code ran with access to this user's files."""
+    if any(level != "bubblewrap" for level in levels):
+        print(
+            "qkv: warning: without bubblewrap the students' code could read and write your "
+            "files. Hint: apt install bubblewrap (docs/check-function.md, Isolation)",
+            file=sys.stderr,
+        )
+
+
+def _with_progress(
+    args: argparse.Namespace, source: Path, settings: Any, single: bool
+) -> list[Any]:
+    """Grade with a progress bar on a terminal (nothing elsewhere)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from qkv.grade import grade_class
+
+    console = Console(stderr=True, highlight=False, emoji=False, markup=False)
+    columns = (TextColumn("grading"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(
+        *columns, console=console, transient=True, disable=not console.is_terminal
+    ) as bar:
+        task = bar.add_task("grading", total=None)
+
+        def tick(total: int, graded: Any) -> None:
+            bar.update(task, total=total, advance=0 if graded is None else 1)
+
+        return grade_class(
+            source,
+            settings,
+            jobs=args.jobs,
+            code_file=args.file,
+            single=single,
+            skip=args.output,
+            progress=tick,
+        )
+
+
+COMMAND = Command(
+    name="grade",
+    summary="grade a class: name each student's slip, give credit per step",
+    description=(
+        "Grade every submission in SUBMISSIONS (a folder with one .py file, folder or\n"
+        ".yaml worked example per student, or an exported zip) as 'qkv check' does:\n"
+        "each student's code runs sandboxed, in parallel (--jobs), with a time limit.\n"
+        "Each part of attention (scores, scaling, mask, softmax, weighted sum, heads)\n"
+        "earns points (--rubric); a step done right on an earlier slip keeps its points.\n\n"
+        "Writes into OUT: grades.csv (student, score, max_score, status, first_slip,\n"
+        "slips), STUDENT.json (Gradescope's results.json schema), STUDENT.md (the\n"
+        "feedback a student reads) and class.html (the teacher's page). A broken\n"
+        "submission is a row with status error or timeout, never a stop.\n\n"
+        "WARNING: this runs the students' code (sandboxed: docs/check-function.md).\n"
+        "See docs/grading.md."
+    ),
+    examples=(
+        ("qkv grade submissions/ -o grades/", "attention(Q, K, V[, mask]) in each .py file"),
+        ("qkv grade class.zip -o grades/ --kind causal", "a zip from Gradescope, Canvas, Moodle"),
+        (
+            "qkv grade handins/ -o grades/ --kind example --inputs inputs.yaml",
+            "worked examples (the practice page's hand-ins) on the inputs everyone used",
+        ),
+        ("qkv grade submissions/ -o grades/ --rubric rubric.yaml --hidden", "your points"),
+        (
+            "qkv grade /autograder/submission --format gradescope -o /autograder/results",
+            "inside Gradescope's run_autograder: results.json",
+        ),
+    ),
+    configure=_configure,
+    run=_run,
+)
