@@ -17,7 +17,8 @@ from qkv._format import visible
 from qkv.cli._check import _ALIGNMENTS, _ARRAYS, _ISOLATIONS, _MASK_MEANINGS, _seconds
 from qkv.cli._common import Command, CommandError, int_in_range
 
-_KINDS = ("attention", "causal", "multi-head", "example")  # qkv.grade.KINDS, for a fast --help
+# qkv.grade.KINDS, for a fast --help
+_KINDS = ("attention", "causal", "multi-head", "gqa", "module", "example")
 _FORMATS = ("files", "gradescope")
 
 
@@ -41,7 +42,8 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         choices=_KINDS,
         default="attention",
         help="what each submission holds: attention: FUNCTION(Q, K, V[, mask]); causal; "
-        "multi-head: FUNCTION(X, W_q, W_k, W_v, W_o, num_heads); example: a worked example "
+        "multi-head: FUNCTION(X, W_q, W_k, W_v, W_o, num_heads); gqa: the same with "
+        "num_kv_heads; module: an attention class (--class); example: a worked example "
         "(.yaml files are worked examples with any kind) (default: attention)",
     )
     parser.add_argument(
@@ -49,6 +51,14 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         default="attention",
         help="the function each .py file defines (default: attention)",
+    )
+    parser.add_argument(
+        "--class",
+        dest="class_name",
+        metavar="NAME",
+        default="MultiHeadAttention",
+        help="with --kind module: the class each .py file defines, as 'qkv check --module' "
+        "drives it (default: MultiHeadAttention)",
     )
     parser.add_argument(
         "--file",
@@ -151,13 +161,14 @@ def _settings(args: argparse.Namespace) -> Any:
         inputs_text = read_bytes(args.inputs, limit=1 << 20, what="a worked example").decode()
     if args.hidden and args.kind == "example":
         raise CommandError(
-            "--hidden hides probes of code (--kind attention, causal or multi-head); a worked "
+            "--hidden hides probes of code (every --kind but example); a worked "
             "example has none. Hint: leave out --hidden"
         )
     base = {} if rubric is None else {"rubric": rubric}
     return Settings(
         kind=args.kind,
         function=args.function,
+        class_name=args.class_name,
         hidden=args.hidden,
         inputs=inputs,
         inputs_text=inputs_text,
@@ -176,6 +187,11 @@ def _run(args: argparse.Namespace) -> int:
         raise CommandError(
             "give SUBMISSIONS and -o OUT. Hint: 'qkv grade submissions/ -o grades/ --kind "
             "attention' (see 'qkv grade --help')"
+        )
+    if not args.class_name.isidentifier():
+        raise CommandError(
+            f"--class must be a Python name, got {visible(args.class_name)!r}. Hint: "
+            "--class MultiHeadAttention"
         )
     if not args.function.isidentifier():
         raise CommandError(

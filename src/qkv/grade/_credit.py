@@ -213,9 +213,10 @@ def failed(
 
 def function_parts(kind: str, *, with_mask: bool, batched: bool) -> tuple[str, ...]:
     """The parts a function of ``kind`` is graded on."""
-    if kind == "multi-head":
-        return ("projections", "scores", "scaling", "softmax", "weighted-sum", "heads")
-    mask = kind == "causal" or with_mask
+    mask = kind == "causal" or with_mask  # a multi-head class may be causal (--kind module)
+    if kind in ("multi-head", "gqa"):
+        masked = ("mask",) if mask else ()
+        return ("projections", "scores", "scaling", *masked, "softmax", "weighted-sum", "heads")
     found = ("scores", "scaling", *(("mask",) if mask else ()), "softmax", "weighted-sum")
     return (*found, *(("batched",) if batched else ()))
 

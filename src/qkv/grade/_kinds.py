@@ -2,9 +2,10 @@
 
 A kind is one entry of :data:`KINDS`: its name, a sentence for ``--help``, and the function
 that grades one submission of it. The function kinds (``attention``, ``causal``,
-``multi-head``) run the student's file in ``qkv check --function``'s sandbox; ``example``
-checks a worked example in this process (the loader reads it as hostile input). A new kind
-of ``qkv check`` (``gqa``, a ``--module`` class) is one more entry.
+``multi-head``, ``gqa``) and ``module`` (an attention class, as ``qkv check --module``) run
+the student's file in ``qkv check --function``'s sandbox; ``example`` checks a worked example
+in this process (the loader reads it as hostile input). A new kind of ``qkv check`` is one
+more entry.
 
 A submission that cannot be checked is a grade too: ``error`` with its one line (a syntax
 error, a missing function, a crash, a file too large), or ``timeout``.
@@ -21,7 +22,7 @@ import numpy as np
 
 from qkv import examples
 from qkv._read import read_bytes
-from qkv.check import FunctionError, check, check_function_file
+from qkv.check import FunctionError, check, check_function_file, check_module_file
 from qkv.examples import Example, ExampleError
 from qkv.grade._credit import (
     Grade,
@@ -44,6 +45,7 @@ class Settings:
     Attributes:
         kind: the name of a :data:`KINDS` entry.
         function: the name of the function a code submission defines.
+        class_name: the name of the class a ``module`` submission defines.
         rubric: points per part and per slip.
         hidden: hide every probe but the first from the students' feedback.
         inputs: the worked example every submission had to use (claims only), or None.
@@ -55,6 +57,7 @@ class Settings:
 
     kind: str = "attention"
     function: str = "attention"
+    class_name: str = "MultiHeadAttention"
     rubric: Rubric = dataclasses.field(default_factory=Rubric)
     hidden: bool = False
     inputs: Example | None = None
@@ -110,6 +113,22 @@ def _function_kind(name: str, summary: str) -> Kind:
     return Kind(name, summary, True, grade, parts)
 
 
+def _grade_module(path: Path, student: str, settings: Settings) -> Grade:
+    """An attention class, driven as a multi-head function (``qkv check --module``)."""
+    report = check_module_file(
+        f"{path}:{settings.class_name}", timeout=settings.timeout, isolation=settings.isolation
+    )
+    # credited as the multi-head function it was driven as (with the mask part when it was
+    # driven as causal); the class's name for the student
+    report = dataclasses.replace(
+        report,
+        name=f"{settings.class_name} in {path.name}",
+        kind="multi-head",
+        with_mask="causal" in report.kind,
+    )
+    return credit_function(student, report, settings.rubric, batched=False, hidden=settings.hidden)
+
+
 def _no_code(path: Path, student: str, settings: Settings) -> Grade:
     raise FunctionError(
         f"{path.name}: code, but --kind example grades worked examples. Hint: hand in a "
@@ -122,6 +141,16 @@ KINDS: dict[str, Kind] = {
     "causal": _function_kind("causal", "FUNCTION(Q, K, V), causal attention"),
     "multi-head": _function_kind(
         "multi-head", "FUNCTION(X, W_q, W_k, W_v, W_o, num_heads), row vectors"
+    ),
+    "gqa": _function_kind(
+        "gqa", "FUNCTION(X, W_q, W_k, W_v, W_o, num_heads, num_kv_heads), grouped-query"
+    ),
+    "module": Kind(
+        "module",
+        "an attention class (nn.Module), as 'qkv check --module' drives it",
+        True,
+        _grade_module,
+        lambda settings: function_parts("multi-head", with_mask=False, batched=False),
     ),
     "example": Kind(
         "example",
@@ -169,8 +198,13 @@ def grade_one(submission: Submission, settings: Settings) -> Grade:
             parts,
             settings.rubric,
             kind=kind.name,
-            title=f"{settings.function} in {submission.entry}",
+            title=f"{_defined(kind.name, settings)} in {submission.entry}",
         )
+
+
+def _defined(kind: str, settings: Settings) -> str:
+    """What a code submission of ``kind`` defines: its class or its function."""
+    return settings.class_name if kind == "module" else settings.function
 
 
 def _grade_example(submission: Submission, path: Path, settings: Settings) -> Grade:
