@@ -4,9 +4,13 @@
     reference   the readable reference (``_reference.py``), NumPy or PyTorch; forms every step
     sdpa        torch.nn.functional.scaled_dot_product_attention (fused, no (Lq, Lk) matrix
                 unless a mask or bias has to be passed as one)
-    tiled       qkv.kernels.tiled_attention (O(L) memory, masks skip empty blocks)
     flex        torch's FlexAttention under torch.compile: qkv's mask rules as cached block
                 masks, score modifiers as its score_mod (auto uses it on CUDA only)
+    tiled       qkv.kernels.tiled_attention (O(L) memory, masks skip empty blocks)
+
+:data:`BACKENDS` is the one list: the names a call accepts, the reports of
+``explain_dispatch`` and the order auto tries them in come from it (and the tests'
+parametrisations, ``tests/support/backends.py``). Adding a backend is one entry there.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from qkv._array import Array, library
 from qkv.attention._options import Call
@@ -26,6 +30,7 @@ __all__ = [
     "DENSE_MASK_LIMIT",
     "MEMORY_FRACTION",
     "Backend",
+    "BackendName",
     "Call",
     "four",
     "four_mask",
@@ -36,11 +41,14 @@ __all__ = [
     "sdpa_output",
     "sdpa_static_refusal",
     "sdpa_trusted",
+    "structured",
     "three",
     "tiled_refusal",
 ]
 
-BackendName = Literal["auto", "reference", "sdpa", "tiled", "flex"]
+BackendName = str
+"""``"auto"`` or the name of a backend in :data:`BACKENDS` (checked when a call is made: the
+registry is the one list of names, so the type does not repeat it)."""
 
 DENSE_MASK_LIMIT = 1 << 22
 """Auto avoids SDPA when it would need a mask array of more elements than this (4 Mi: a
@@ -61,12 +69,22 @@ class Backend:
     in a few words; ``auto`` is True when the choice is the dispatcher's (a backend may
     then refuse calls it could run, but slowly). ``run(call)`` returns (context, weights or
     None).
+
+    Auto's part: ``fast`` backends are tried in the registry's order (the reference is not
+    one: auto takes it for NumPy, weights and traces); one whose ``first(call)`` holds is
+    tried before the others, and ``why(call)`` is auto's reason when it runs.
+    ``compiles``: its first call of each (rule, shape, dtype) compiles (seconds), so the
+    tests run it on a few shapes rather than on every drawn case.
     """
 
     name: str
     description: str
     refusal: Callable[[Call, bool], str | None]
     run: Callable[[Call], tuple[Array, Array | None]]
+    why: Callable[[Call], str] = lambda call: "runs this call"
+    first: Callable[[Call], bool] = lambda call: False
+    fast: bool = True
+    compiles: bool = False
 
 
 # -- the backends --------------------------------------------------------------------------
@@ -388,6 +406,27 @@ def _run_flex(call: Call) -> tuple[Array, Array | None]:
     return three(out, call.lead), None
 
 
+def structured(call: Call) -> bool:
+    """A qkv Mask rule or a score modifier: what compiled FlexAttention is for."""
+    options = call.options
+    return isinstance(options.mask, Mask) or options.score_mod is not None
+
+
+def _why_flex(call: Call) -> str:
+    if structured(call):
+        return (
+            "a mask rule or score modifier on CUDA: compiled FlexAttention skips the empty blocks"
+        )
+    return "compiled FlexAttention on CUDA runs this call"
+
+
+def _why_tiled(call: Call) -> str:
+    mask = call.options.mask
+    if isinstance(mask, Mask) and mask.knows_blocks:
+        return "structured mask: empty blocks are skipped, no (Lq, Lk) array"
+    return "runs in O(L) memory, evaluating masks block by block"
+
+
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
@@ -396,13 +435,31 @@ BACKENDS: dict[str, Backend] = {
             "the readable reference; forms every step",
             _reference_refusal,
             _run_reference,
+            fast=False,
         ),
-        Backend("sdpa", "torch's fused scaled_dot_product_attention", _sdpa_refusal, _run_sdpa),
-        Backend("tiled", "qkv's tiled O(L)-memory kernel", _tiled_refusal, _run_tiled),
-        Backend("flex", "torch's compiled FlexAttention", _flex_refusal, _run_flex),
+        Backend(
+            "sdpa",
+            "torch's fused scaled_dot_product_attention",
+            _sdpa_refusal,
+            _run_sdpa,
+            why=lambda call: "fused kernel; runs this call without a large dense mask",
+        ),
+        Backend(
+            "flex",
+            "torch's compiled FlexAttention",
+            _flex_refusal,
+            _run_flex,
+            why=_why_flex,
+            first=lambda call: on_cuda(call) and structured(call),
+            compiles=True,
+        ),
+        Backend(
+            "tiled", "qkv's tiled O(L)-memory kernel", _tiled_refusal, _run_tiled, why=_why_tiled
+        ),
     )
 }
-"""The registered backends, in the order auto considers them after the reference."""
+"""The registered backends: the names a call accepts, the rows of a dispatch report, and
+the order auto tries the fast ones in (a backend whose ``first(call)`` holds goes first)."""
 
 
 # -- memory --------------------------------------------------------------------------------

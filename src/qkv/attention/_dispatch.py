@@ -112,7 +112,7 @@ def decide(call: Call, requested: str) -> Dispatch:
     and the reason in ``refusal`` (running the call raises ValueError).
     """
     call = positional_bias(call)
-    listed = _listed(call, requested)
+    listed = tuple(BACKENDS)
     if requested != "auto" and requested in BACKENDS:
         refused = BACKENDS[requested].refusal(call, False)
         if refused is not None:
@@ -170,13 +170,6 @@ def decide(call: Call, requested: str) -> Dispatch:
         notes.append(_half_note(chosen, half))
     ordered = tuple((name, reasons[name]) for name in listed)
     return Dispatch(chosen, requested, ordered, tuple(notes), sdpa_kernel=kernel)
-
-
-def _listed(call: Call, requested: str) -> tuple[str, ...]:
-    """The backends a report lists: ``flex`` only on CUDA or when asked for (on CPU auto
-    never takes it, and the report stays as it was)."""
-    show_flex = requested == "flex" or _backends.on_cuda(call)
-    return tuple(name for name in BACKENDS if name != "flex" or show_flex)
 
 
 def _sdpa_choice(call: Call) -> Any:
@@ -263,7 +256,7 @@ def _auto(call: Call, refusals: dict[str, str | None]) -> tuple[str, str]:
         return "reference", "a trace is recorded: the reference forms every step"
     for name in _fast_order(call):
         if refusals[name] is None:
-            return name, _why_fast(call, name)
+            return name, BACKENDS[name].why(call)
     if refusals["reference"] is None or BACKENDS["reference"].refusal(call, False) is None:
         return "reference", "the fast backends refuse this call"
     raise ValueError(
@@ -273,36 +266,11 @@ def _auto(call: Call, refusals: dict[str, str | None]) -> tuple[str, str]:
 
 
 def _fast_order(call: Call) -> tuple[str, ...]:
-    """The fast backends in the order auto tries them. CPU: sdpa, tiled. CUDA: flex first
-    for a qkv mask rule or a score modifier, else sdpa first (dense, causal and boolean
-    masks), then the other, then tiled."""
-    if not _backends.on_cuda(call):
-        return ("sdpa", "tiled")
-    if _structured(call):
-        return ("flex", "sdpa", "tiled")
-    return ("sdpa", "flex", "tiled")
-
-
-def _structured(call: Call) -> bool:
-    """A qkv Mask rule or a score modifier: what compiled FlexAttention is for."""
-    options = call.options
-    return isinstance(options.mask, Mask) or options.score_mod is not None
-
-
-def _why_fast(call: Call, name: str) -> str:
-    if name == "flex":
-        if _structured(call):
-            return (
-                "a mask rule or score modifier on CUDA: compiled FlexAttention skips the "
-                "empty blocks"
-            )
-        return "compiled FlexAttention on CUDA runs this call"
-    if name == "sdpa":
-        return "fused kernel; runs this call without a large dense mask"
-    mask = call.options.mask
-    if isinstance(mask, Mask) and mask.knows_blocks:
-        return "structured mask: empty blocks are skipped, no (Lq, Lk) array"
-    return "runs in O(L) memory, evaluating masks block by block"
+    """The fast backends in the order auto tries them: the registry's order, with those
+    whose ``first(call)`` holds moved to the front (on CUDA, flex for a qkv mask rule or a
+    score modifier)."""
+    fast = [name for name, b in BACKENDS.items() if b.fast]
+    return tuple(sorted(fast, key=lambda name: not BACKENDS[name].first(call)))
 
 
 def _passed_over(call: Call, name: str, chosen: str) -> str:
@@ -388,9 +356,10 @@ def scaled_dot_product_attention(
             :func:`qkv.tracing` block, if any). When the (Lq, Lk) steps would not fit in
             memory, only the trace's selected heads and query rows are recorded (a
             warning says which).
-        backend: ``"auto"`` (default), ``"reference"``, ``"sdpa"`` (PyTorch's fused kernel),
-            ``"tiled"`` (qkv's O(L)-memory kernel) or ``"flex"`` (torch's compiled
-            FlexAttention; auto takes it on CUDA for mask rules and score modifiers); see
+        backend: ``"auto"`` (default) or a name in the registry
+            :data:`qkv.attention.BACKENDS`: ``"reference"``, ``"sdpa"`` (PyTorch's fused
+            kernel), ``"flex"`` (torch's compiled FlexAttention; auto takes it on CUDA for
+            mask rules and score modifiers) or ``"tiled"`` (qkv's O(L)-memory kernel); see
             :func:`qkv.explain_dispatch`.
 
     Returns:
@@ -563,6 +532,7 @@ def explain_dispatch(
         backend: reference (asked: auto)
          → reference NumPy inputs: the reference runs them
            sdpa      refused: needs PyTorch tensors; these are NumPy arrays
+           flex      refused: needs PyTorch tensors; these are NumPy arrays
            tiled     refused: needs PyTorch tensors; these are NumPy arrays
     """
     generator = options.pop("generator", None)
