@@ -5,7 +5,9 @@
     sdpa        torch.nn.functional.scaled_dot_product_attention (fused, no (Lq, Lk) matrix
                 unless a mask or bias has to be passed as one)
     flex        torch's FlexAttention under torch.compile: qkv's mask rules as cached block
-                masks, score modifiers as its score_mod (auto uses it on CUDA only)
+                masks, score modifiers as its score_mod; on CPU, where torch has no
+                backward, trained with the tiled kernel's backward (auto: on CUDA for mask
+                rules, on CPU for mask rules called again with one shape)
     tiled       qkv.kernels.tiled_attention (O(L) memory, masks skip empty blocks)
 
 :data:`BACKENDS` is the one list: the names a call accepts, the reports of
@@ -32,6 +34,8 @@ __all__ = [
     "Backend",
     "BackendName",
     "Call",
+    "count_auto_call",
+    "cpu_run_key",
     "four",
     "four_mask",
     "needs_grad",
@@ -285,8 +289,6 @@ def _flex_refusal(call: Call, auto: bool) -> str | None:
         return common
     options = call.options
     cuda = on_cuda(call)
-    if auto and not cuda:
-        return "auto runs it on CUDA only; on CPU the tiled kernel runs masks and modifiers"
     if options.dropout_p > 0:
         return "dropout: FlexAttention has no dropout"
     if options.dense_mask is not None:
@@ -299,18 +301,18 @@ def _flex_refusal(call: Call, auto: bool) -> str | None:
         return "a bias that needs a gradient"
     dtype = str(call.query.dtype).removeprefix("torch.")
     if not cuda:
-        if needs_grad(call) or _sinks_need_grad(call):
-            return (
-                "a gradient on CPU: torch's FlexAttention has no CPU backward (the tiled "
-                "kernel and qkv.flex_attention have one)"
-            )
-        if options.sinks is not None:
-            return (
-                "attention sinks on CPU: compiled FlexAttention there gives no log-sum-exp, "
-                "which the sinks need"
-            )
         if dtype not in _FLEX_CPU_DTYPES:
-            return f"{dtype} on CPU: compiled FlexAttention there takes float32, float16, bfloat16"
+            return (
+                f"{dtype} on CPU: compiled FlexAttention there takes float32, float16, "
+                "bfloat16 (the tiled kernel takes float64)"
+            )
+        if bias is not None and (needs_grad(call) or _sinks_need_grad(call)):
+            return "a bias array and a gradient on CPU: the tiled kernel takes them"
+        if bias is not None and options.sinks is not None:
+            return "a bias array and sinks on CPU: the tiled kernel takes them"
+        missing = _cpu_compile_refusal()
+        if missing is not None:
+            return missing
     if auto:
         if dtype == "float64":
             return "float64: auto keeps it on the tiled kernel, which accumulates in float64"
@@ -320,6 +322,8 @@ def _flex_refusal(call: Call, auto: bool) -> str | None:
             return "an empty call: nothing to compile"
         if bias is not None:
             return "a bias array: sdpa or the tiled kernel take it without a compiled closure"
+        if not cuda:
+            return _cpu_auto_refusal(call)
         if options.score_mod is not None and torch_grad_enabled() and _learnable(call):
             return (
                 "a score modifier with tensors that need a gradient: FlexAttention's gradient "
@@ -327,6 +331,65 @@ def _flex_refusal(call: Call, auto: bool) -> str | None:
                 "the tiled kernel computes it block by block (backend='flex' to use it)"
             )
     return None
+
+
+def _cpu_compile_refusal() -> str | None:
+    """Why the CPU cannot compile (no C++ compiler, or an earlier compile failed), or None."""
+    from qkv.kernels._compiled_forward import COMPILED, compiler_missing
+
+    missing = compiler_missing()
+    if missing is not None:
+        return missing
+    if COMPILED.failure is not None:
+        return f"torch.compile failed here before ({COMPILED.failure})"
+    return None
+
+
+def _cpu_auto_refusal(call: Call) -> str | None:
+    """Auto's CPU rule: the compiled path for a mask rule or a score modifier called again
+    and again with one shape (the compile is paid once), never for a single call."""
+    from qkv.kernels._compiled_forward import (
+        AUTO_COMPILE_VARIABLE,
+        COMPILED,
+        REPEATS,
+        auto_compile_enabled,
+    )
+
+    if not structured(call):
+        return "no mask rule or score modifier: nothing for compiled FlexAttention to skip"
+    key = cpu_run_key(call)
+    if key in COMPILED.seconds:
+        return None if auto_compile_enabled() else f"{AUTO_COMPILE_VARIABLE}=0"
+    seen = COMPILED.calls.get(key, 0)
+    if seen < REPEATS:
+        return (
+            f"it compiles per rule and shape (seconds): auto takes it once a rule and shape "
+            f"have run {REPEATS} times; these have run {seen}"
+        )
+    if not auto_compile_enabled():
+        return f"{AUTO_COMPILE_VARIABLE}=0: auto does not compile on CPU"
+    return None
+
+
+def cpu_run_key(call: Call) -> Any:
+    """The key under which the compiled CPU path counts and caches this call."""
+    from qkv.kernels._compiled_forward import run_key
+
+    options = call.options
+    q4, k4, v4 = (four(x, call.lead) for x in (call.query, call.key, call.value))
+    shapes = tuple(tuple(int(n) for n in x.shape) for x in (q4, k4, v4))
+    return run_key(options.rule, options.score_mod, shapes, call.query.dtype)
+
+
+def count_auto_call(call: Call) -> None:
+    """Count an auto call that the compiled CPU path could take (a mask rule or a score
+    modifier on CPU tensors): auto compiles only for repeated ones."""
+    if not call.torch or on_cuda(call) or not structured(call):
+        return
+    from qkv.kernels._compiled_forward import COMPILED, auto_compile_enabled
+
+    if auto_compile_enabled():
+        COMPILED.count(cpu_run_key(call))
 
 
 def torch_grad_enabled() -> bool:
@@ -356,6 +419,58 @@ def _learnable(call: Call) -> bool:
 
 
 def _run_flex(call: Call) -> tuple[Array, Array | None]:
+    if not on_cuda(call) and (
+        needs_grad(call) or _sinks_need_grad(call) or call.options.sinks is not None
+    ):
+        return _run_compiled_cpu(call)
+    if not on_cuda(call):
+        from qkv.kernels._compiled_forward import timed
+
+        try:
+            return timed(cpu_run_key(call), lambda: _run_flex_eager_result(call))
+        except Exception as error:
+            return _after_failure(call, error)
+    return _run_flex_eager_result(call)
+
+
+def _run_compiled_cpu(call: Call) -> tuple[Array, Array | None]:
+    """Compiled FlexAttention's forward with the tiled kernel's backward (CPU, gradients or
+    sinks: :mod:`qkv.kernels._compiled_forward`)."""
+    from qkv.kernels._compiled_forward import compiled_attention, timed
+
+    options = call.options
+    q4, k4, v4 = (four(x, call.lead) for x in (call.query, call.key, call.value))
+
+    def run() -> Any:
+        return compiled_attention(
+            q4,
+            k4,
+            v4,
+            rule=options.rule,
+            score_mod=options.score_mod,
+            scale=options.scale_for(int(q4.shape[-1])),
+            sinks=options.sinks,
+        )
+
+    try:
+        out = timed(cpu_run_key(call), run)
+    except Exception as error:
+        return _after_failure(call, error)
+    return three(out, call.lead), None
+
+
+def _after_failure(call: Call, error: Exception) -> tuple[Array, Array | None]:
+    """The compiled path raised: the tiled kernel runs the call. If it runs, compiling was
+    at fault (recorded, and said once); if it raises too, the call itself was (its error)."""
+    from qkv.kernels._compiled_forward import COMPILED
+
+    result = _run_tiled(call)
+    COMPILED.fail(error)
+    return result
+
+
+def _run_flex_eager_result(call: Call) -> tuple[Array, Array | None]:
+    """torch's compiled FlexAttention, forward only (on CUDA, autograd gives its backward)."""
     import torch
 
     from qkv.kernels._api import with_sinks
@@ -413,6 +528,11 @@ def structured(call: Call) -> bool:
 
 
 def _why_flex(call: Call) -> str:
+    if not on_cuda(call):
+        return (
+            "a mask rule or score modifier called again with this shape: compiled "
+            "FlexAttention's forward (compiled once), the tiled kernel's backward"
+        )
     if structured(call):
         return (
             "a mask rule or score modifier on CUDA: compiled FlexAttention skips the empty blocks"

@@ -214,11 +214,35 @@ def _flex_notes(call: Call) -> list[str]:
             f"flex: block mask of {BLOCK_SIZE} × {BLOCK_SIZE} blocks {how}, cached per "
             "(rule, B, H, Lq, Lk, device)"
         )
-    notes.append("flex: torch.compile compiles on the first call of each shape and rule")
+    if _backends.on_cuda(call):
+        notes.append("flex: torch.compile compiles on the first call of each shape and rule")
+    else:
+        notes.extend(_cpu_compile_notes(call))
     if options.sinks is not None:
         notes.append("flex: sinks applied from its log-sum-exp, out · σ(lse − sink)")
     if options.masked or options.score_mod is not None or options.sinks is not None:
         notes.append("flex's output is checked for NaN/inf; if any, the tiled kernel redoes it")
+    return notes
+
+
+def _cpu_compile_notes(call: Call) -> list[str]:
+    """What the compiled CPU path does for this call, and its compile time (apart)."""
+    from qkv.kernels._compiled_forward import COMPILED
+
+    notes = [
+        "flex on CPU: torch's compiled forward; a gradient or sinks come from the tiled "
+        "kernel's backward, from the forward's log-sum-exp (read through one more key)"
+    ]
+    seconds = COMPILED.seconds.get(_backends.cpu_run_key(call))
+    if seconds is None:
+        notes.append(
+            "flex: not compiled yet for this rule, shapes and dtype: the first call compiles "
+            "(seconds; explain_dispatch compiles nothing)"
+        )
+    else:
+        notes.append(
+            f"flex: compiled for this rule, shapes and dtype by a first call of {seconds:.1f} s"
+        )
     return notes
 
 
@@ -428,6 +452,8 @@ def run_call(
         if result is not None:
             return result
         return outside_graph(_run_chosen, call, backend)  # type: ignore[no-any-return]
+    if backend == "auto":
+        _backends.count_auto_call(call)
     if rows_only and backend == "auto" and _selects_part(call):
         fast = choose(replace(call, recorder=Recorder()), "auto")
         backend = backend if fast == "reference" else fast
