@@ -23,6 +23,7 @@ from qkv.attention import (
     self_attention,
     softmax,
     split_heads,
+    varlen_attention,
 )
 from qkv.trace import STEP_NAMES, Step, Trace, current_trace, tracing
 
@@ -63,4 +64,5 @@ __all__ = [
     "softmax",
     "split_heads",
     "tracing",
+    "varlen_attention",
 ]

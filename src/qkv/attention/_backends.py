@@ -18,6 +18,7 @@ parametrisations, ``tests/support/backends.py``). Adding a backend is one entry 
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -372,13 +373,22 @@ def _cpu_auto_refusal(call: Call) -> str | None:
 
 
 def cpu_run_key(call: Call) -> Any:
-    """The key under which the compiled CPU path counts and caches this call."""
+    """The key under which the compiled CPU path counts and caches this call (the last
+    call's key is kept: auto's count, its refusal and the run ask for the same one)."""
     from qkv.kernels._compiled_forward import run_key
 
     options = call.options
-    q4, k4, v4 = (four(x, call.lead) for x in (call.query, call.key, call.value))
-    shapes = tuple(tuple(int(n) for n in x.shape) for x in (q4, k4, v4))
-    return run_key(options.rule, options.score_mod, shapes, call.query.dtype)
+    shapes = tuple(tuple(int(n) for n in x.shape) for x in (call.query, call.key, call.value))
+    probe = needs_grad(call) or options.sinks is not None
+    last = _LAST_KEY.get("call")
+    if last is not None and last[0]() is options and last[1] == (shapes, probe):
+        return last[2]
+    key = run_key(options.rule, options.score_mod, shapes, call.query.dtype, probe)
+    _LAST_KEY["call"] = (weakref.ref(options), (shapes, probe), key)
+    return key
+
+
+_LAST_KEY: dict[str, tuple[weakref.ref[Any], Any, Any]] = {}
 
 
 def count_auto_call(call: Call) -> None:

@@ -24,6 +24,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
@@ -149,10 +150,28 @@ def run_key(
     score_mod: ScoreMod | None,
     shapes: tuple[tuple[int, ...], ...],
     dtype: torch.dtype,
+    probe: bool,
 ) -> Hashable:
     """The key a compiled kernel is cached and counted under: (rule, score modifier, shapes,
-    dtype), rules by :func:`fingerprint` (equal rules made anew at each step share it)."""
-    return (fingerprint(rule), fingerprint(score_mod), shapes, str(dtype))
+    dtype, and whether the probe key is added: a gradient or sinks), rules by
+    :func:`fingerprint` (equal rules made anew at each step share it; a rule object met
+    again is not hashed again)."""
+    return (_fingerprint_of(rule), _fingerprint_of(score_mod), shapes, str(dtype), probe)
+
+
+_FINGERPRINTS: weakref.WeakKeyDictionary[Any, Hashable] = weakref.WeakKeyDictionary()
+
+
+def _fingerprint_of(rule: Mask | ScoreMod | None) -> Hashable:
+    """:func:`fingerprint` of a rule, kept while the rule object lives (its tables do not
+    change: a rule reused at every step is hashed once)."""
+    if rule is None:
+        return None
+    found = _FINGERPRINTS.get(rule)
+    if found is None:
+        found = fingerprint(rule)
+        _FINGERPRINTS[rule] = found
+    return found
 
 
 # -- the probe's block mask and score_mod ---------------------------------------------------
