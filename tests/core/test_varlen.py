@@ -98,7 +98,7 @@ def test_packing_skips_the_blocks_between_sequences() -> None:
         q.transpose(0, 1)[None],
         k.transpose(0, 1)[None],
         v.transpose(0, 1)[None],
-        mask=qkv.attention._varlen._packed_rule(cu.tolist(), cu.tolist(), None, 0),
+        mask=qkv.attention._packed.packed_rule(cu.tolist(), cu.tolist(), None, 0),
     )
     assert report.backend == "tiled" and "empty blocks are skipped" in dict(report.reasons)["tiled"]
     out = qkv.varlen_attention(q, k, v, cu, cu, 256, 256, is_causal=True)

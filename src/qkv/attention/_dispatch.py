@@ -350,7 +350,10 @@ def scaled_dot_product_attention(
     four dimensions run on the reference; a batch of size 0 gives an empty result.
 
     Args:
-        query: (..., H, Lq, D), or (Lq, D) for a single head.
+        query: (..., H, Lq, D), or (Lq, D) for a single head; or nested jagged tensors
+            (B, H, j, D) for query, key and value (``torch.nested``, ``layout=torch.jagged``,
+            ragged along the sequence): each sequence attends only to itself, the result
+            is jagged too.
         key: (..., Hkv, Lk, D).
         value: (..., Hkv, Lk, Dv).
         mask: boolean, **True = may attend**, broadcastable to (..., H, Lq, Lk); or a
@@ -420,6 +423,8 @@ def scaled_dot_product_attention(
         "trace": trace,
         "backend": backend,
     }
+    if getattr(query, "is_nested", False):
+        return _jagged(query, key, value, arguments)
     if (trace is not None or blocks_open()) and compiling():
         # A trace is recorded in Python, outside the graph (a graph break, said by name).
         from qkv.attention._compiled import run_eagerly
@@ -429,6 +434,53 @@ def scaled_dot_product_attention(
     call = make_call(query, key, value, **arguments)
     context, weights = run_call(call, backend)
     return (context, weights) if return_weights else context
+
+
+def _jagged(query: Any, key: Any, value: Any, arguments: dict[str, Any]) -> Any:
+    """Nested jagged inputs (B, H, j, D): one call over the packed tokens (1, H, total, D)
+    with the document rule of their sequences (:mod:`qkv.attention._packed`), and the
+    result as a nested jagged tensor (B, H, j, Dv) with the query's offsets."""
+    import torch
+
+    from qkv.attention._packed import jagged_parts, packed_rule
+
+    for name in ("mask", "bias"):
+        if arguments[name] is not None:
+            raise ValueError(
+                f"scaled_dot_product_attention: {name}= is an (Lq, Lk) array, which nested "
+                "jagged inputs do not have. Hint: is_causal=True, a score_mod, or "
+                "qkv.varlen_attention(..., window_size=...) on the packed tokens."
+            )
+    if arguments["return_weights"]:
+        raise ValueError(
+            "scaled_dot_product_attention: return_weights=True with nested jagged inputs: the "
+            "weights of sequences of different lengths are no one tensor. Hint: run a "
+            "sequence alone, as a dense (H, L, D) tensor, to see its weights."
+        )
+    q, starts_q = jagged_parts(query, "query")  # (total_q, H, D)
+    k, starts_k = jagged_parts(key, "key")  # (total_k, Hkv, D)
+    v, starts_v = jagged_parts(value, "value")  # (total_k, Hkv, Dv)
+    if starts_k != starts_v or len(starts_q) != len(starts_k):
+        raise ValueError(
+            f"scaled_dot_product_attention: query, key and value must hold the same number "
+            f"of sequences (key and value the same lengths), got {len(starts_q) - 1}, "
+            f"{len(starts_k) - 1} and {len(starts_v) - 1}. Hint: one nested tensor per "
+            "sequence batch, as torch's SDPA takes them."
+        )
+    rule = packed_rule(
+        starts_q,
+        starts_k,
+        None,
+        0 if arguments["is_causal"] else None,
+        arguments["causal_alignment"],
+    )
+    packed = {**arguments, "mask": rule, "is_causal": False}
+    out = scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], **packed
+    )  # (1, H, total_q, Dv)
+    offsets = query.transpose(1, 2).offsets()
+    tokens = out[0].transpose(0, 1)  # (total_q, H, Dv)
+    return torch.nested.nested_tensor_from_jagged(tokens, offsets).transpose(1, 2)
 
 
 def run_call(

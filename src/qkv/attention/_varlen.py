@@ -11,16 +11,13 @@ than queries (bottom-right alignment).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from itertools import pairwise
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
-from qkv._array import Array
 from qkv.attention._backends import BackendName
 from qkv.attention._dispatch import scaled_dot_product_attention
-from qkv.masks import Mask, ScoreMod, document, from_function
+from qkv.attention._packed import check_max, offsets, packed_rule, window
+from qkv.masks import ScoreMod
 
 __all__ = ["varlen_attention"]
 
@@ -88,21 +85,21 @@ def varlen_attention(
         True
     """
     _check_tokens(query, key, value)
-    starts_q = _offsets(cu_seqlens_q, "cu_seqlens_q", int(query.shape[0]), "query")
-    starts_k = _offsets(cu_seqlens_k, "cu_seqlens_k", int(key.shape[0]), "key")
+    starts_q = offsets(cu_seqlens_q, "cu_seqlens_q", int(query.shape[0]), "query")
+    starts_k = offsets(cu_seqlens_k, "cu_seqlens_k", int(key.shape[0]), "key")
     if len(starts_q) != len(starts_k):
         raise ValueError(
             f"varlen_attention: cu_seqlens_q has {len(starts_q)} entries and cu_seqlens_k "
             f"{len(starts_k)}; expected the same B + 1. Hint: one entry per sequence and a "
             "leading 0, for queries and keys alike."
         )
-    _check_max(starts_q, max_seqlen_q, "max_seqlen_q", "queries")
-    _check_max(starts_k, max_seqlen_k, "max_seqlen_k", "keys")
-    left, right = _window(window_size, is_causal)
+    check_max(starts_q, max_seqlen_q, "max_seqlen_q", "queries")
+    check_max(starts_k, max_seqlen_k, "max_seqlen_k", "keys")
+    left, right = window(window_size, is_causal)
     heads, kv_heads = int(query.shape[1]), int(key.shape[1])
     if query.shape[0] == 0 or key.shape[0] == 0:
         return query.new_zeros(int(query.shape[0]), heads, int(value.shape[2]))
-    rule = _packed_rule(starts_q, starts_k, left, right)
+    rule = packed_rule(starts_q, starts_k, left, right)
     out = scaled_dot_product_attention(
         query.transpose(0, 1)[None],  # (1, H, total_q, D)
         key.transpose(0, 1)[None],  # (1, Hkv, total_k, D)
@@ -144,105 +141,3 @@ def _check_tokens(query: Any, key: Any, value: Any) -> None:
             f"heads ({query.shape[1]}). Hint: grouped-query attention shares each key/value "
             "head among H / Hkv query heads."
         )
-
-
-def _offsets(cu: Any, name: str, total: int, tokens: str) -> list[int]:
-    """The checked offsets of ``cu`` (read to the host once)."""
-    array = np.asarray(cu.detach().cpu() if hasattr(cu, "detach") else cu)
-    if array.ndim != 1 or array.size < 2 or not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(
-            f"varlen_attention: {name} must be integers of shape (B + 1,), got "
-            f"{array.dtype} of shape {tuple(array.shape)}. Hint: torch.tensor([0, 3, 8], "
-            "dtype=torch.int32) for sequences of 3 and 5 tokens."
-        )
-    offsets = [int(n) for n in array]
-    if offsets[0] != 0 or any(b < a for a, b in pairwise(offsets)):
-        raise ValueError(
-            f"varlen_attention: {name} must start at 0 and never decrease, got {offsets[:8]}"
-            f"{' ...' if len(offsets) > 8 else ''}. Hint: the running sum of the lengths, "
-            "with a leading 0."
-        )
-    if offsets[-1] != total:
-        raise ValueError(
-            f"varlen_attention: {name} ends at {offsets[-1]} but {tokens} has {total} "
-            f"tokens. Hint: its last entry is the total length."
-        )
-    return offsets
-
-
-def _check_max(offsets: Sequence[int], given: int, name: str, what: str) -> None:
-    longest = max(b - a for a, b in pairwise(offsets))
-    if isinstance(given, bool) or not isinstance(given, int) or given < longest:
-        raise ValueError(
-            f"varlen_attention: {name} must be an integer ≥ the longest sequence's {what} "
-            f"({longest}), got {given!r}."
-        )
-
-
-def _window(window_size: Any, is_causal: bool) -> tuple[int | None, int | None]:
-    """(left, right) limits, None for no limit; causal sets right to 0."""
-    ok = isinstance(window_size, tuple | list) and len(window_size) == 2
-    if not ok or any(isinstance(n, bool) or not isinstance(n, int) or n < -1 for n in window_size):
-        raise ValueError(
-            f"varlen_attention: window_size must be two integers (left, right), each ≥ 0 "
-            f"or −1 for no limit, got {window_size!r}. Hint: (255, 0) with is_causal=True is "
-            "a causal window of 256 keys."
-        )
-    left, right = (None if n < 0 else int(n) for n in window_size)
-    if is_causal:
-        right = 0 if right is None else min(right, 0)
-    return left, right
-
-
-def _packed_rule(
-    starts_q: list[int], starts_k: list[int], left: int | None, right: int | None
-) -> Mask:
-    """The document rule of the packed sequences, and the window measured from each
-    sequence's end (bottom-right, as FlashAttention), with its block hint."""
-    lengths_q, lengths_k = np.diff(starts_q), np.diff(starts_k)
-    ids_q = np.repeat(np.arange(len(lengths_q)), lengths_q)  # (total_q,)
-    ids_k = np.repeat(np.arange(len(lengths_k)), lengths_k)  # (total_k,)
-    rule = document(ids_q, ids_k)
-    if left is None and right is None:
-        return rule
-    # each position's place counted from its sequence's end: −Lq … −1 for the queries
-    from_end_q = np.arange(len(ids_q)) - np.asarray(starts_q[1:])[ids_q]
-    from_end_k = np.arange(len(ids_k)) - np.asarray(starts_k[1:])[ids_k]
-    tables: dict[tuple[int, str], tuple[Array, Array]] = {}
-
-    def window(b: Any, h: Any, q: Any, kv: Any) -> Any:
-        key = (id(type(q)), str(getattr(q, "device", "cpu")))
-        if key not in tables:
-            if isinstance(q, np.ndarray):
-                tables[key] = (from_end_q, from_end_k)
-            else:
-                import torch
-
-                tables[key] = (
-                    torch.as_tensor(from_end_q, device=q.device),
-                    torch.as_tensor(from_end_k, device=q.device),
-                )
-        table_q, table_k = tables[key]
-        offset_q, offset_k = table_q[q], table_k[kv]
-        if left is None:
-            return offset_k <= offset_q + right
-        if right is None:
-            return offset_k >= offset_q - left
-        return (offset_k >= offset_q - left) & (offset_k <= offset_q + right)
-
-    def blocks(b: Any, h: Any, q0: Any, q1: Any, k0: Any, k1: Any) -> tuple[Any, Any]:
-        q_low = np.minimum.reduceat(from_end_q, q0.reshape(-1))[:, None]  # (nq, 1)
-        q_high = np.maximum.reduceat(from_end_q, q0.reshape(-1))[:, None]
-        k_low = np.minimum.reduceat(from_end_k, k0.reshape(-1))[None, :]  # (1, nk)
-        k_high = np.maximum.reduceat(from_end_k, k0.reshape(-1))[None, :]
-        some = np.ones((q_low.shape[0], k_low.shape[1]), dtype=bool)
-        every = some.copy()
-        if left is not None:
-            some &= k_high >= q_low - left
-            every &= k_low >= q_high - left
-        if right is not None:
-            some &= k_low <= q_high + right
-            every &= k_high <= q_low + right
-        return some[None, None], every[None, None]
-
-    return rule & from_function(window, "window from each sequence's end", blocks=blocks)
