@@ -186,12 +186,44 @@ def test_compiled_forward_with_tiled_backward_matches_the_float64_reference(
     assert any(
         "compiled for this rule, shapes and dtype by a first call of" in n for n in report.notes
     )
-    out = qkv.scaled_dot_product_attention(q, k, v, **options)
+    out = qkv.scaled_dot_product_attention(q, k, v, **options)  # timed against tiled, once
     want = qkv.scaled_dot_product_attention(q, k, v, backend="tiled", **options)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    # from now on auto takes the faster of the two, measured here, and says so
+    flex_s, tiled_s = next(iter(COMPILED.verdict.values()))
+    report = qkv.explain_dispatch(q, k, v, **options)
+    assert report.backend == ("flex" if flex_s <= tiled_s else "tiled"), str(report)
+    assert any("one forward timed after compiling" in n for n in report.notes) or (
+        "measured slower here" in dict(report.reasons)["flex"]
+    )
 
 
 # -- auto's rule, and when compiling cannot be done -----------------------------------------
+
+
+@pytest.mark.usefixtures("record")
+@pytest.mark.parametrize(("flex_s", "tiled_s", "chosen"), [(0.2, 0.1, "tiled"), (0.1, 0.2, "flex")])
+def test_auto_takes_the_faster_as_measured_after_compiling(
+    monkeypatch: pytest.MonkeyPatch, flex_s: float, tiled_s: float, chosen: str
+) -> None:
+    monkeypatch.setenv("QKV_AUTO_COMPILE", "1")
+    q = k = v = torch.randn(1, 2, 4096, 16)
+    call = qkv.attention._dispatch.make_call(q, k, v, mask=RULE)
+    key = qkv.attention._backends.cpu_run_key(call)
+    COMPILED.seconds[key] = 12.5  # compiled before
+    COMPILED.verdict[key] = (flex_s, tiled_s)
+    report = qkv.explain_dispatch(q, k, v, mask=RULE)
+    assert report.backend == chosen, str(report)
+    if chosen == "tiled":
+        assert dict(report.reasons)["flex"] == (
+            "refused: measured slower here: 200.0 ms a forward against the tiled kernel's "
+            "100.0 ms (timed once each, after compiling)"
+        )
+    else:
+        assert (
+            "flex: one forward timed after compiling: 100.0 ms; the tiled kernel's: 200.0 ms "
+            "(auto takes the faster)"
+        ) in report.notes
 
 
 @pytest.mark.usefixtures("record")

@@ -104,12 +104,15 @@ class CompiledRuns:
     """What the compiled CPU path has done in this process (safe across threads).
 
     ``seconds[key]``: how long the first call of ``key`` took (its compilation, mostly);
-    ``calls[key]``: how often ``auto`` was asked to run ``key``; ``failure``: why compiling
-    failed (then auto stays on the tiled kernel, and said so once, as a warning).
+    ``verdict[key]``: (compiled, tiled) seconds of one forward each, timed at the second
+    call (auto keeps off a key where the compiled one was slower); ``calls[key]``: how often
+    ``auto`` was asked to run ``key``; ``failure``: why compiling failed (then auto stays on
+    the tiled kernel, and said so once, as a warning).
     """
 
     def __init__(self) -> None:
         self.seconds: dict[Hashable, float] = {}
+        self.verdict: dict[Hashable, tuple[float, float]] = {}
         self.calls: Counter[Hashable] = Counter()
         self.failure: str | None = None
         self._lock = threading.Lock()
@@ -118,6 +121,7 @@ class CompiledRuns:
         """Forget everything (torch keeps its compiled kernels)."""
         with self._lock:
             self.seconds.clear()
+            self.verdict.clear()
             self.calls.clear()
             self.failure = None
 
