@@ -22,26 +22,28 @@ from qkv.masks import Mask, document, from_function
 __all__ = ["check_max", "jagged_parts", "offsets", "packed_rule", "window"]
 
 
-def offsets(cu: Any, name: str, total: int, tokens: str) -> list[int]:
+def offsets(
+    cu: Any, name: str, total: int, tokens: str, who: str = "varlen_attention"
+) -> list[int]:
     """The checked offsets of ``cu`` (read to the host once): a leading 0, never
     decreasing, ``total`` last."""
     array = np.asarray(cu.detach().cpu() if hasattr(cu, "detach") else cu)
     if array.ndim != 1 or array.size < 2 or not np.issubdtype(array.dtype, np.integer):
         raise ValueError(
-            f"varlen_attention: {name} must be integers of shape (B + 1,), got "
+            f"{who}: {name} must be integers of shape (B + 1,), got "
             f"{array.dtype} of shape {tuple(array.shape)}. Hint: torch.tensor([0, 3, 8], "
             "dtype=torch.int32) for sequences of 3 and 5 tokens."
         )
     offsets = [int(n) for n in array]
     if offsets[0] != 0 or any(b < a for a, b in pairwise(offsets)):
         raise ValueError(
-            f"varlen_attention: {name} must start at 0 and never decrease, got {offsets[:8]}"
+            f"{who}: {name} must start at 0 and never decrease, got {offsets[:8]}"
             f"{' ...' if len(offsets) > 8 else ''}. Hint: the running sum of the lengths, "
             "with a leading 0."
         )
     if offsets[-1] != total:
         raise ValueError(
-            f"varlen_attention: {name} ends at {offsets[-1]} but {tokens} has {total} "
+            f"{who}: {name} ends at {offsets[-1]} but {tokens} has {total} "
             f"tokens. Hint: its last entry is the total length."
         )
     return offsets
