@@ -88,9 +88,8 @@ def packing(rounds: int) -> None:
     base = medians["packed (varlen)"]
     for name, run in peers.items():
         added, _ = peak_memory(run)
-        print(
-            f"{name:<20}{medians[name] * 1e3:>10.1f}{medians[name] / base:>8.2f}{added / 2**20:>10.0f}"
-        )
+        ms, ratio = medians[name] * 1e3, medians[name] / base
+        print(f"{name:<20}{ms:>10.1f}{ratio:>8.2f}{added / 2**20:>10.0f}")
 
 
 def overhead(rounds: int) -> None:

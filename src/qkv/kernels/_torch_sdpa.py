@@ -184,11 +184,11 @@ def _nan_rows(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torc
     """
     # A row's sum is NaN when the row holds a NaN (or both +inf and −inf, whose scores are NaN
     # as well): one read of query and key, and small (B, H, Lq) results.
-    if query.device.type == "cpu" and not torch.compiler.is_compiling():
-        # On CPU a look costs no waiting: two sums, and the usual call (no NaN) returns
-        # torch's output as it is, without the copy masked_fill makes of it.
-        if not bool(torch.isnan(query.sum() + key.sum())):
-            return out
+    # On CPU a look costs no waiting: two sums, and the usual call (no NaN) returns torch's
+    # output as it is, without the copy masked_fill makes of it.
+    cpu = query.device.type == "cpu" and not torch.compiler.is_compiling()
+    if cpu and not bool(torch.isnan(query.sum() + key.sum())):
+        return out
     batch, heads, q_len = query.shape[:3]
     kv_heads = max(key.shape[1], 1)
     bad = torch.isnan(query.sum(dim=-1))  # (B, H, Lq)
