@@ -295,3 +295,22 @@ def test_a_call_error_is_the_calls_not_a_compile_failure() -> None:
     with pytest.raises(KeyError, match="my modifier"):
         qkv.scaled_dot_product_attention(q, k, v, score_mod=wrong, backend="flex")
     assert COMPILED.failure is None
+
+
+@pytest.mark.usefixtures("record")
+def test_no_grad_mode_with_inputs_that_require_grad_is_no_compile_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Inference (torch.no_grad) on a model's tensors: torch's CPU FlexAttention refuses
+    inputs that require grad even then; qkv hands it detached ones (here torch's eager
+    flex_attention stands in for the compiled one: it makes the same check)."""
+    from qkv.kernels import _flex_masks
+
+    monkeypatch.setattr(_flex_masks, "compiled_flex", lambda static=False: EAGER)
+    q, k, v, _, _ = _inputs(256, torch.float32)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        out = qkv.scaled_dot_product_attention(q, k, v, mask=RULE, backend="flex")
+        want = qkv.scaled_dot_product_attention(q, k, v, mask=RULE, backend="tiled")
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    assert COMPILED.failure is None

@@ -517,6 +517,8 @@ def _run_flex_eager_result(call: Call) -> tuple[Array, Array | None]:
 
     options = call.options
     q4, k4, v4 = (four(x, call.lead) for x in (call.query, call.key, call.value))
+    if not on_cuda(call):  # no gradient here: torch's CPU flex refuses tensors that want one
+        q4, k4, v4 = (x.detach() for x in (q4, k4, v4))
     batch, heads, q_len, d_k = (int(n) for n in q4.shape)
     kv_len = int(k4.shape[2])
     rule = options.rule
