@@ -1,7 +1,7 @@
 """Packing against padding for a batch of mixed lengths, and auto's own cost per call
 (issue 27 §2, §3), peers in one run, interleaved.
 
-    .venv/bin/python benchmarks/bench_packing.py [--rounds 7]
+    .venv/bin/python benchmarks/bench_packing.py [--rounds 7] [--threads 1]
 
 Packing: 16 causal sequences of lengths drawn in [128, 1024] (seed 0), H = 8, D = 64,
 float32, forward + backward: ``qkv.varlen_attention`` on the packed tokens against the same
@@ -18,6 +18,7 @@ nothing).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ import torch
 import qkv
 from qkv import masks
 from qkv.bench._memory import peak_memory
+from qkv.kernels._compiled_forward import AUTO_COMPILE_VARIABLE
 
 H, D = 8, 64
 
@@ -126,7 +128,13 @@ def _torch_xp() -> Any:
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=0, help="PyTorch threads (0: as is)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    # The kernels as auto picks them without compiling (the compiled path on CPU has its own
+    # script, bench_compiled_cpu.py): a compilation must not land inside a timed round.
+    os.environ[AUTO_COMPILE_VARIABLE] = "0"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     overhead(args.rounds)
     packing(args.rounds)
