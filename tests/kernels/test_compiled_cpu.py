@@ -11,6 +11,9 @@ busy 2-core machine: the compiled tests share one rule, shape and dtype (one com
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -251,10 +254,14 @@ def test_without_a_cpp_compiler_auto_stays_on_tiled_and_says_why(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(_compiled_forward, "_compiler", lambda: None)
-    q = k = v = torch.randn(1, 2, 256, 16)
+    monkeypatch.setenv("QKV_AUTO_COMPILE", "1")
+    q = k = v = torch.randn(1, 2, 4096, 16)
+    call = qkv.attention._dispatch.make_call(q, k, v, mask=RULE)
+    COMPILED.calls[qkv.attention._backends.cpu_run_key(call)] = REPEATS  # called again
     report = qkv.explain_dispatch(q, k, v, mask=RULE)
-    assert report.backend == "sdpa"
+    assert report.backend == "tiled"
     assert "no C++ compiler" in dict(report.reasons)["flex"]
+    q = k = v = torch.randn(1, 2, 256, 16)
     with pytest.raises(ValueError, match=r"backend='flex' cannot run this call: no C\+\+ compiler"):
         qkv.scaled_dot_product_attention(q, k, v, mask=RULE, backend="flex")
 
@@ -314,3 +321,22 @@ def test_no_grad_mode_with_inputs_that_require_grad_is_no_compile_failure(
         want = qkv.scaled_dot_product_attention(q, k, v, mask=RULE, backend="tiled")
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     assert COMPILED.failure is None
+
+
+def test_a_first_structured_call_imports_no_compiler_stack() -> None:
+    """The compiler check is a look at the PATH: a first call (a `qkv explain`, a script)
+    does not pay for importing torch's inductor."""
+    code = (
+        "import sys, torch, qkv\n"
+        "from qkv import masks\n"
+        "q = torch.randn(1, 2, 4096, 16)\n"
+        "print(qkv.explain_dispatch(q, q, q, mask=masks.sliding_window(63)).backend)\n"
+        "print(qkv.scaled_dot_product_attention(q, q, q, mask=masks.sliding_window(63)).shape)\n"
+        "print('torch._inductor' in sys.modules)\n"
+    )
+    env = {**os.environ, "QKV_AUTO_COMPILE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "tiled" and done.stdout.split("\n")[2] == "False"

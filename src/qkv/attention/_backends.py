@@ -311,7 +311,7 @@ def _flex_refusal(call: Call, auto: bool) -> str | None:
             return "a bias array and a gradient on CPU: the tiled kernel takes them"
         if bias is not None and options.sinks is not None:
             return "a bias array and sinks on CPU: the tiled kernel takes them"
-        missing = _cpu_compile_refusal()
+        missing = _cpu_compile_refusal()  # a look at the PATH (cached) and a flag
         if missing is not None:
             return missing
     if auto:

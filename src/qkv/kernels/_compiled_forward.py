@@ -81,16 +81,14 @@ def auto_compile_enabled() -> bool:
 
 @functools.cache
 def _compiler() -> str | None:
-    """The C++ compiler torch's inductor would call, if it is on this machine."""
+    """The C++ compiler torch's inductor would call (``CXX``, else g++, c++ or clang++), if
+    it is on this machine: looked up on the PATH, without importing the compiler's stack."""
     import shutil
 
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
-
-        name = str(get_cpp_compiler())
-    except Exception:  # no compiler found, or an older torch without this function
-        return None
-    return name if shutil.which(name) else None
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
 
 
 def compiler_missing() -> str | None:
