@@ -5,7 +5,8 @@ The backends (``_backends.py``) share one signature and sit in a registry,
 reference for NumPy, for weights and for a trace that fits in memory; SDPA when it runs the
 call without a large dense mask; else the tiled kernel. On CUDA, qkv's mask rules and score
 modifiers go to compiled FlexAttention (``flex``) first, and the report names the kernel
-torch's SDPA would run. :func:`explain_dispatch` returns the choice with the reason of every
+torch's SDPA would run; on CPU, ``flex`` (compiled forward, tiled backward) takes them once a
+rule and shape have run a few times and the compiled forward was measured the faster. :func:`explain_dispatch` returns the choice with the reason of every
 refusal.
 """
 
