@@ -39,6 +39,10 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
+# auto's compiled path on CPU compiles FlexAttention (tens of seconds per rule and shape) from
+# the third call with one rule and shape: only tests/kernels/test_compiled_cpu.py turns it on.
+os.environ.setdefault("QKV_AUTO_COMPILE", "0")
+
 
 @pytest.fixture(autouse=True)
 def _seeded_global_generators(request: pytest.FixtureRequest) -> None:

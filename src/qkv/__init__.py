@@ -24,6 +24,7 @@ from qkv.attention import (
     self_attention,
     softmax,
     split_heads,
+    varlen_attention,
 )
 from qkv.trace import STEP_NAMES, Step, Trace, current_trace, tracing
 
@@ -65,4 +66,5 @@ __all__ = [
     "softmax",
     "split_heads",
     "tracing",
+    "varlen_attention",
 ]

@@ -18,10 +18,11 @@ from hypothesis import strategies as st
 import qkv
 from qkv import masks
 from qkv.kernels import tiled_attention
+from tests.support.backends import backend_names
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-BACKENDS = ("reference", "sdpa", "tiled", "auto")
+BACKENDS = backend_names(auto=True)
 FMIN32 = float(torch.finfo(torch.float32).min)
 FMIN64 = float(torch.finfo(torch.float64).min)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,6 +14,7 @@ import qkv
 import qkv.trace as trace_module
 import qkv.trace._trace as recording
 from qkv import render
+from tests.support.backends import backend_names
 
 
 def test_single_head_steps_in_order() -> None:
@@ -229,10 +230,10 @@ GQA_SELECTIONS = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "tiled"])
+@pytest.mark.parametrize("backend", backend_names(reference=False))
 @pytest.mark.parametrize("selection", GQA_SELECTIONS)
 def test_selected_rows_of_a_fast_backend_keep_the_call_head_counts(
-    backend: Literal["sdpa", "tiled"], selection: dict[str, list[int]]
+    backend: str, selection: dict[str, list[int]]
 ) -> None:
     """A fast backend's traced rows are recomputed for the selected heads only; the call's
     facts still say its own num_heads and num_kv_heads, as the reference's trace does, and

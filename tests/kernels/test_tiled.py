@@ -36,7 +36,9 @@ class TiledCase:
 
 def _rule(draw: st.DrawFn, b: int, lq: int, lk: int) -> masks.Mask:
     alignment: Any = draw(st.sampled_from(["top-left", "bottom-right"]))
-    kind = draw(st.sampled_from(["causal", "window", "padding", "document", "prefix", "user"]))
+    kind = draw(
+        st.sampled_from(["causal", "window", "padding", "document", "prefix", "full", "user"])
+    )
     if kind == "causal":
         rule = masks.causal(alignment)
     elif kind == "window":
@@ -51,6 +53,8 @@ def _rule(draw: st.DrawFn, b: int, lq: int, lk: int) -> masks.Mask:
         rule = masks.document(q_ids, kv_ids)
     elif kind == "prefix":
         rule = masks.prefix_lm(draw(st.integers(0, lk)), alignment=alignment)
+    elif kind == "full":
+        rule = masks.full()
     else:
         rule = masks.from_function(lambda b, h, q, kv: (q + kv + h) % 3 != 0, "user")
     combine = draw(st.sampled_from(["", "&", "|", "~"]))

@@ -32,11 +32,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 import qkv
+from tests.support.backends import backend_names
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-FAST = ("sdpa", "tiled", "auto")
-ALL = ("reference", *FAST)
+FAST = backend_names(reference=False, auto=True)
+ALL = backend_names(auto=True)
 
 # torch/testing/_comparison.py defaults, as test_transformers.py uses them.
 ATOL = {torch.float16: 1e-3, torch.bfloat16: 1e-3, torch.float32: 1e-5, torch.float64: 1e-7}
@@ -124,7 +125,7 @@ def test_scaled_dot_product_attention(
 
 
 @pytest.mark.parametrize("contiguous_inputs", [True, False])
-@pytest.mark.parametrize("backend", ["reference", "tiled", "sdpa"])
+@pytest.mark.parametrize("backend", backend_names())
 def test_sdp_math_gradcheck(contiguous_inputs: bool, backend: str) -> None:
     batch_size, seq_len, num_heads, head_dim = 2, 4, 2, 4
     gen = torch.Generator().manual_seed(0)

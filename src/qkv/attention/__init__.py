@@ -15,6 +15,7 @@ from qkv.attention._dispatch import (
 from qkv.attention._heads import merge_heads, multi_head_attention, self_attention, split_heads
 from qkv.attention._reference import reference_attention
 from qkv.attention._softmax import softmax
+from qkv.attention._varlen import varlen_attention
 
 __all__ = [
     "BACKENDS",
@@ -28,4 +29,5 @@ __all__ = [
     "self_attention",
     "softmax",
     "split_heads",
+    "varlen_attention",
 ]

@@ -4,17 +4,24 @@
     reference   the readable reference (``_reference.py``), NumPy or PyTorch; forms every step
     sdpa        torch.nn.functional.scaled_dot_product_attention (fused, no (Lq, Lk) matrix
                 unless a mask or bias has to be passed as one)
-    tiled       qkv.kernels.tiled_attention (O(L) memory, masks skip empty blocks)
     flex        torch's FlexAttention under torch.compile: qkv's mask rules as cached block
-                masks, score modifiers as its score_mod (auto uses it on CUDA only)
+                masks, score modifiers as its score_mod; on CPU, where torch has no
+                backward, trained with the tiled kernel's backward (auto: on CUDA for mask
+                rules, on CPU for mask rules called again with one shape)
+    tiled       qkv.kernels.tiled_attention (O(L) memory, masks skip empty blocks)
+
+:data:`BACKENDS` is the one list: the names a call accepts, the reports of
+``explain_dispatch`` and the order auto tries them in come from it (and the tests'
+parametrisations, ``tests/support/backends.py``). Adding a backend is one entry there.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from qkv._array import Array, library
 from qkv.attention._options import Call
@@ -26,7 +33,10 @@ __all__ = [
     "DENSE_MASK_LIMIT",
     "MEMORY_FRACTION",
     "Backend",
+    "BackendName",
     "Call",
+    "count_auto_call",
+    "cpu_run_key",
     "four",
     "four_mask",
     "needs_grad",
@@ -36,11 +46,14 @@ __all__ = [
     "sdpa_output",
     "sdpa_static_refusal",
     "sdpa_trusted",
+    "structured",
     "three",
     "tiled_refusal",
 ]
 
-BackendName = Literal["auto", "reference", "sdpa", "tiled", "flex"]
+BackendName = str
+"""``"auto"`` or the name of a backend in :data:`BACKENDS` (checked when a call is made: the
+registry is the one list of names, so the type does not repeat it)."""
 
 DENSE_MASK_LIMIT = 1 << 22
 """Auto avoids SDPA when it would need a mask array of more elements than this (4 Mi: a
@@ -61,12 +74,22 @@ class Backend:
     in a few words; ``auto`` is True when the choice is the dispatcher's (a backend may
     then refuse calls it could run, but slowly). ``run(call)`` returns (context, weights or
     None).
+
+    Auto's part: ``fast`` backends are tried in the registry's order (the reference is not
+    one: auto takes it for NumPy, weights and traces); one whose ``first(call)`` holds is
+    tried before the others, and ``why(call)`` is auto's reason when it runs.
+    ``compiles``: its first call of each (rule, shape, dtype) compiles (seconds), so the
+    tests run it on a few shapes rather than on every drawn case.
     """
 
     name: str
     description: str
     refusal: Callable[[Call, bool], str | None]
     run: Callable[[Call], tuple[Array, Array | None]]
+    why: Callable[[Call], str] = lambda call: "runs this call"
+    first: Callable[[Call], bool] = lambda call: False
+    fast: bool = True
+    compiles: bool = False
 
 
 # -- the backends --------------------------------------------------------------------------
@@ -267,8 +290,6 @@ def _flex_refusal(call: Call, auto: bool) -> str | None:
         return common
     options = call.options
     cuda = on_cuda(call)
-    if auto and not cuda:
-        return "auto runs it on CUDA only; on CPU the tiled kernel runs masks and modifiers"
     if options.dropout_p > 0:
         return "dropout: FlexAttention has no dropout"
     if options.dense_mask is not None:
@@ -281,18 +302,18 @@ def _flex_refusal(call: Call, auto: bool) -> str | None:
         return "a bias that needs a gradient"
     dtype = str(call.query.dtype).removeprefix("torch.")
     if not cuda:
-        if needs_grad(call) or _sinks_need_grad(call):
-            return (
-                "a gradient on CPU: torch's FlexAttention has no CPU backward (the tiled "
-                "kernel and qkv.flex_attention have one)"
-            )
-        if options.sinks is not None:
-            return (
-                "attention sinks on CPU: compiled FlexAttention there gives no log-sum-exp, "
-                "which the sinks need"
-            )
         if dtype not in _FLEX_CPU_DTYPES:
-            return f"{dtype} on CPU: compiled FlexAttention there takes float32, float16, bfloat16"
+            return (
+                f"{dtype} on CPU: compiled FlexAttention there takes float32, float16, "
+                "bfloat16 (the tiled kernel takes float64)"
+            )
+        if bias is not None and (needs_grad(call) or _sinks_need_grad(call)):
+            return "a bias array and a gradient on CPU: the tiled kernel takes them"
+        if bias is not None and options.sinks is not None:
+            return "a bias array and sinks on CPU: the tiled kernel takes them"
+        missing = _cpu_compile_refusal()  # a look at the PATH (cached) and a flag
+        if missing is not None:
+            return missing
     if auto:
         if dtype == "float64":
             return "float64: auto keeps it on the tiled kernel, which accumulates in float64"
@@ -302,6 +323,8 @@ def _flex_refusal(call: Call, auto: bool) -> str | None:
             return "an empty call: nothing to compile"
         if bias is not None:
             return "a bias array: sdpa or the tiled kernel take it without a compiled closure"
+        if not cuda:
+            return _cpu_auto_refusal(call)
         if options.score_mod is not None and torch_grad_enabled() and _learnable(call):
             return (
                 "a score modifier with tensors that need a gradient: FlexAttention's gradient "
@@ -309,6 +332,81 @@ def _flex_refusal(call: Call, auto: bool) -> str | None:
                 "the tiled kernel computes it block by block (backend='flex' to use it)"
             )
     return None
+
+
+def _cpu_compile_refusal() -> str | None:
+    """Why the CPU cannot compile (no C++ compiler, or an earlier compile failed), or None."""
+    from qkv.kernels._compiled_forward import COMPILED, compiler_missing
+
+    missing = compiler_missing()
+    if missing is not None:
+        return missing
+    if COMPILED.failure is not None:
+        return f"torch.compile failed here before ({COMPILED.failure})"
+    return None
+
+
+def _cpu_auto_refusal(call: Call) -> str | None:
+    """Auto's CPU rule: the compiled path for a mask rule or a score modifier called again
+    and again with one shape (the compile is paid once), never for a single call."""
+    from qkv.kernels._compiled_forward import (
+        AUTO_COMPILE_VARIABLE,
+        COMPILED,
+        REPEATS,
+        auto_compile_enabled,
+    )
+
+    if not structured(call):
+        return "no mask rule or score modifier: nothing for compiled FlexAttention to skip"
+    key = cpu_run_key(call)
+    if key in COMPILED.seconds:
+        verdict = COMPILED.verdict.get(key)
+        if verdict is not None and verdict[0] > verdict[1]:
+            flex_ms, tiled_ms = (1e3 * t for t in verdict)
+            return (
+                f"measured slower here: {flex_ms:.1f} ms a forward against the tiled "
+                f"kernel's {tiled_ms:.1f} ms (timed once each, after compiling)"
+            )
+        return None if auto_compile_enabled() else f"{AUTO_COMPILE_VARIABLE}=0"
+    seen = COMPILED.calls.get(key, 0)
+    if seen < REPEATS:
+        return (
+            f"it compiles per rule and shape (seconds): auto takes it once a rule and shape "
+            f"have run {REPEATS} times; these have run {seen}"
+        )
+    if not auto_compile_enabled():
+        return f"{AUTO_COMPILE_VARIABLE}=0: auto does not compile on CPU"
+    return None
+
+
+def cpu_run_key(call: Call) -> Any:
+    """The key under which the compiled CPU path counts and caches this call (the last
+    call's key is kept: auto's count, its refusal and the run ask for the same one)."""
+    from qkv.kernels._compiled_forward import run_key
+
+    options = call.options
+    shapes = tuple(tuple(int(n) for n in x.shape) for x in (call.query, call.key, call.value))
+    probe = needs_grad(call) or options.sinks is not None
+    last = _LAST_KEY.get("call")
+    if last is not None and last[0]() is options and last[1] == (shapes, probe):
+        return last[2]
+    key = run_key(options.rule, options.score_mod, shapes, call.query.dtype, probe)
+    _LAST_KEY["call"] = (weakref.ref(options), (shapes, probe), key)
+    return key
+
+
+_LAST_KEY: dict[str, tuple[weakref.ref[Any], Any, Any]] = {}
+
+
+def count_auto_call(call: Call) -> None:
+    """Count an auto call that the compiled CPU path could take (a mask rule or a score
+    modifier on CPU tensors): auto compiles only for repeated ones."""
+    if not call.torch or on_cuda(call) or not structured(call):
+        return
+    from qkv.kernels._compiled_forward import COMPILED, auto_compile_enabled
+
+    if auto_compile_enabled():
+        COMPILED.count(cpu_run_key(call))
 
 
 def torch_grad_enabled() -> bool:
@@ -338,6 +436,80 @@ def _learnable(call: Call) -> bool:
 
 
 def _run_flex(call: Call) -> tuple[Array, Array | None]:
+    if on_cuda(call):
+        return _run_flex_eager_result(call)
+    if needs_grad(call) or call.options.sinks is not None:
+        return _on_cpu(call, lambda: _run_compiled_cpu(call))
+    return _on_cpu(call, lambda: _run_flex_eager_result(call))
+
+
+def _on_cpu(
+    call: Call, run: Callable[[], tuple[Array, Array | None]]
+) -> tuple[Array, Array | None]:
+    """The compiled path on CPU: its first call per key compiles (timed apart); its second is
+    timed against one forward of the tiled kernel (auto's verdict); a failure falls back."""
+    import time
+
+    from qkv.kernels._compiled_forward import COMPILED, timed
+
+    key = cpu_run_key(call)
+    try:
+        if key not in COMPILED.seconds:
+            return timed(key, run)
+        if key in COMPILED.verdict:
+            return run()
+        start = time.perf_counter()
+        result = run()
+        flex_seconds = time.perf_counter() - start
+    except Exception as error:
+        return _after_failure(call, error)
+    COMPILED.verdict[key] = (flex_seconds, _tiled_forward_seconds(call))
+    return result
+
+
+def _tiled_forward_seconds(call: Call) -> float:
+    """One forward of the tiled kernel on the call (no gradient), in seconds."""
+    import time
+
+    import torch
+
+    with torch.no_grad():
+        start = time.perf_counter()
+        _run_tiled(call)
+        return time.perf_counter() - start
+
+
+def _run_compiled_cpu(call: Call) -> tuple[Array, Array | None]:
+    """Compiled FlexAttention's forward with the tiled kernel's backward (CPU, gradients or
+    sinks: :mod:`qkv.kernels._compiled_forward`)."""
+    from qkv.kernels._compiled_forward import compiled_attention
+
+    options = call.options
+    q4, k4, v4 = (four(x, call.lead) for x in (call.query, call.key, call.value))
+    out = compiled_attention(
+        q4,
+        k4,
+        v4,
+        rule=options.rule,
+        score_mod=options.score_mod,
+        scale=options.scale_for(int(q4.shape[-1])),
+        sinks=options.sinks,
+    )
+    return three(out, call.lead), None
+
+
+def _after_failure(call: Call, error: Exception) -> tuple[Array, Array | None]:
+    """The compiled path raised: the tiled kernel runs the call. If it runs, compiling was
+    at fault (recorded, and said once); if it raises too, the call itself was (its error)."""
+    from qkv.kernels._compiled_forward import COMPILED
+
+    result = _run_tiled(call)
+    COMPILED.fail(error)
+    return result
+
+
+def _run_flex_eager_result(call: Call) -> tuple[Array, Array | None]:
+    """torch's compiled FlexAttention, forward only (on CUDA, autograd gives its backward)."""
     import torch
 
     from qkv.kernels._api import with_sinks
@@ -345,6 +517,8 @@ def _run_flex(call: Call) -> tuple[Array, Array | None]:
 
     options = call.options
     q4, k4, v4 = (four(x, call.lead) for x in (call.query, call.key, call.value))
+    if not on_cuda(call):  # no gradient here: torch's CPU flex refuses tensors that want one
+        q4, k4, v4 = (x.detach() for x in (q4, k4, v4))
     batch, heads, q_len, d_k = (int(n) for n in q4.shape)
     kv_len = int(k4.shape[2])
     rule = options.rule
@@ -388,6 +562,32 @@ def _run_flex(call: Call) -> tuple[Array, Array | None]:
     return three(out, call.lead), None
 
 
+def structured(call: Call) -> bool:
+    """A qkv Mask rule or a score modifier: what compiled FlexAttention is for."""
+    options = call.options
+    return isinstance(options.mask, Mask) or options.score_mod is not None
+
+
+def _why_flex(call: Call) -> str:
+    if not on_cuda(call):
+        return (
+            "a mask rule or score modifier called again with this shape: compiled "
+            "FlexAttention's forward (compiled once), the tiled kernel's backward"
+        )
+    if structured(call):
+        return (
+            "a mask rule or score modifier on CUDA: compiled FlexAttention skips the empty blocks"
+        )
+    return "compiled FlexAttention on CUDA runs this call"
+
+
+def _why_tiled(call: Call) -> str:
+    mask = call.options.mask
+    if isinstance(mask, Mask) and mask.knows_blocks:
+        return "structured mask: empty blocks are skipped, no (Lq, Lk) array"
+    return "runs in O(L) memory, evaluating masks block by block"
+
+
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
@@ -396,13 +596,31 @@ BACKENDS: dict[str, Backend] = {
             "the readable reference; forms every step",
             _reference_refusal,
             _run_reference,
+            fast=False,
         ),
-        Backend("sdpa", "torch's fused scaled_dot_product_attention", _sdpa_refusal, _run_sdpa),
-        Backend("tiled", "qkv's tiled O(L)-memory kernel", _tiled_refusal, _run_tiled),
-        Backend("flex", "torch's compiled FlexAttention", _flex_refusal, _run_flex),
+        Backend(
+            "sdpa",
+            "torch's fused scaled_dot_product_attention",
+            _sdpa_refusal,
+            _run_sdpa,
+            why=lambda call: "fused kernel; runs this call without a large dense mask",
+        ),
+        Backend(
+            "flex",
+            "torch's compiled FlexAttention",
+            _flex_refusal,
+            _run_flex,
+            why=_why_flex,
+            first=lambda call: on_cuda(call) and structured(call),
+            compiles=True,
+        ),
+        Backend(
+            "tiled", "qkv's tiled O(L)-memory kernel", _tiled_refusal, _run_tiled, why=_why_tiled
+        ),
     )
 }
-"""The registered backends, in the order auto considers them after the reference."""
+"""The registered backends: the names a call accepts, the rows of a dispatch report, and
+the order auto tries the fast ones in (a backend whose ``first(call)`` holds goes first)."""
 
 
 # -- memory --------------------------------------------------------------------------------

@@ -5,8 +5,9 @@ The backends (``_backends.py``) share one signature and sit in a registry,
 reference for NumPy, for weights and for a trace that fits in memory; SDPA when it runs the
 call without a large dense mask; else the tiled kernel. On CUDA, qkv's mask rules and score
 modifiers go to compiled FlexAttention (``flex``) first, and the report names the kernel
-torch's SDPA would run. :func:`explain_dispatch` returns the choice with the reason of every
-refusal.
+torch's SDPA would run; on CPU, ``flex`` (compiled forward, tiled backward) takes them once a
+rule and shape have run a few times and the compiled forward was measured the faster.
+:func:`explain_dispatch` returns the choice with the reason of every refusal.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def decide(call: Call, requested: str) -> Dispatch:
     and the reason in ``refusal`` (running the call raises ValueError).
     """
     call = positional_bias(call)
-    listed = _listed(call, requested)
+    listed = tuple(BACKENDS)
     if requested != "auto" and requested in BACKENDS:
         refused = BACKENDS[requested].refusal(call, False)
         if refused is not None:
@@ -172,13 +173,6 @@ def decide(call: Call, requested: str) -> Dispatch:
     return Dispatch(chosen, requested, ordered, tuple(notes), sdpa_kernel=kernel)
 
 
-def _listed(call: Call, requested: str) -> tuple[str, ...]:
-    """The backends a report lists: ``flex`` only on CUDA or when asked for (on CPU auto
-    never takes it, and the report stays as it was)."""
-    show_flex = requested == "flex" or _backends.on_cuda(call)
-    return tuple(name for name in BACKENDS if name != "flex" or show_flex)
-
-
 def _sdpa_choice(call: Call) -> Any:
     """The kernel torch's SDPA runs for the call on CUDA (:mod:`qkv.kernels._sdpa_choice`),
     given what qkv's sdpa adapter would pass torch."""
@@ -221,11 +215,42 @@ def _flex_notes(call: Call) -> list[str]:
             f"flex: block mask of {BLOCK_SIZE} × {BLOCK_SIZE} blocks {how}, cached per "
             "(rule, B, H, Lq, Lk, device)"
         )
-    notes.append("flex: torch.compile compiles on the first call of each shape and rule")
+    if _backends.on_cuda(call):
+        notes.append("flex: torch.compile compiles on the first call of each shape and rule")
+    else:
+        notes.extend(_cpu_compile_notes(call))
     if options.sinks is not None:
         notes.append("flex: sinks applied from its log-sum-exp, out · σ(lse − sink)")
     if options.masked or options.score_mod is not None or options.sinks is not None:
         notes.append("flex's output is checked for NaN/inf; if any, the tiled kernel redoes it")
+    return notes
+
+
+def _cpu_compile_notes(call: Call) -> list[str]:
+    """What the compiled CPU path does for this call, and its compile time (apart)."""
+    from qkv.kernels._compiled_forward import COMPILED
+
+    notes = [
+        "flex on CPU: torch's compiled forward; a gradient or sinks come from the tiled "
+        "kernel's backward, from the forward's log-sum-exp (read through one more key)"
+    ]
+    seconds = COMPILED.seconds.get(_backends.cpu_run_key(call))
+    if seconds is None:
+        notes.append(
+            "flex: not compiled yet for this rule, shapes and dtype: the first call compiles "
+            "(seconds; explain_dispatch compiles nothing)"
+        )
+    else:
+        notes.append(
+            f"flex: compiled for this rule, shapes and dtype by a first call of {seconds:.1f} s"
+        )
+    verdict = COMPILED.verdict.get(_backends.cpu_run_key(call))
+    if verdict is not None:
+        flex_ms, tiled_ms = (1e3 * t for t in verdict)
+        notes.append(
+            f"flex: one forward timed after compiling: {flex_ms:.1f} ms; the tiled kernel's: "
+            f"{tiled_ms:.1f} ms (auto takes the faster)"
+        )
     return notes
 
 
@@ -263,7 +288,7 @@ def _auto(call: Call, refusals: dict[str, str | None]) -> tuple[str, str]:
         return "reference", "a trace is recorded: the reference forms every step"
     for name in _fast_order(call):
         if refusals[name] is None:
-            return name, _why_fast(call, name)
+            return name, BACKENDS[name].why(call)
     if refusals["reference"] is None or BACKENDS["reference"].refusal(call, False) is None:
         return "reference", "the fast backends refuse this call"
     raise ValueError(
@@ -273,36 +298,11 @@ def _auto(call: Call, refusals: dict[str, str | None]) -> tuple[str, str]:
 
 
 def _fast_order(call: Call) -> tuple[str, ...]:
-    """The fast backends in the order auto tries them. CPU: sdpa, tiled. CUDA: flex first
-    for a qkv mask rule or a score modifier, else sdpa first (dense, causal and boolean
-    masks), then the other, then tiled."""
-    if not _backends.on_cuda(call):
-        return ("sdpa", "tiled")
-    if _structured(call):
-        return ("flex", "sdpa", "tiled")
-    return ("sdpa", "flex", "tiled")
-
-
-def _structured(call: Call) -> bool:
-    """A qkv Mask rule or a score modifier: what compiled FlexAttention is for."""
-    options = call.options
-    return isinstance(options.mask, Mask) or options.score_mod is not None
-
-
-def _why_fast(call: Call, name: str) -> str:
-    if name == "flex":
-        if _structured(call):
-            return (
-                "a mask rule or score modifier on CUDA: compiled FlexAttention skips the "
-                "empty blocks"
-            )
-        return "compiled FlexAttention on CUDA runs this call"
-    if name == "sdpa":
-        return "fused kernel; runs this call without a large dense mask"
-    mask = call.options.mask
-    if isinstance(mask, Mask) and mask.knows_blocks:
-        return "structured mask: empty blocks are skipped, no (Lq, Lk) array"
-    return "runs in O(L) memory, evaluating masks block by block"
+    """The fast backends in the order auto tries them: the registry's order, with those
+    whose ``first(call)`` holds moved to the front (on CUDA, flex for a qkv mask rule or a
+    score modifier)."""
+    fast = [name for name, b in BACKENDS.items() if b.fast]
+    return tuple(sorted(fast, key=lambda name: not BACKENDS[name].first(call)))
 
 
 def _passed_over(call: Call, name: str, chosen: str) -> str:
@@ -358,7 +358,10 @@ def scaled_dot_product_attention(
     four dimensions run on the reference; a batch of size 0 gives an empty result.
 
     Args:
-        query: (..., H, Lq, D), or (Lq, D) for a single head.
+        query: (..., H, Lq, D), or (Lq, D) for a single head; or nested jagged tensors
+            (B, H, j, D) for query, key and value (``torch.nested``, ``layout=torch.jagged``,
+            ragged along the sequence): each sequence attends only to itself, the result
+            is jagged too.
         key: (..., Hkv, Lk, D).
         value: (..., Hkv, Lk, Dv).
         mask: boolean, **True = may attend**, broadcastable to (..., H, Lq, Lk); or a
@@ -388,9 +391,10 @@ def scaled_dot_product_attention(
             :func:`qkv.tracing` block, if any). When the (Lq, Lk) steps would not fit in
             memory, only the trace's selected heads and query rows are recorded (a
             warning says which).
-        backend: ``"auto"`` (default), ``"reference"``, ``"sdpa"`` (PyTorch's fused kernel),
-            ``"tiled"`` (qkv's O(L)-memory kernel) or ``"flex"`` (torch's compiled
-            FlexAttention; auto takes it on CUDA for mask rules and score modifiers); see
+        backend: ``"auto"`` (default) or a name in the registry
+            :data:`qkv.attention.BACKENDS`: ``"reference"``, ``"sdpa"`` (PyTorch's fused
+            kernel), ``"flex"`` (torch's compiled FlexAttention; auto takes it on CUDA for
+            mask rules and score modifiers) or ``"tiled"`` (qkv's O(L)-memory kernel); see
             :func:`qkv.explain_dispatch`.
 
     Returns:
@@ -428,6 +432,8 @@ def scaled_dot_product_attention(
         "trace": trace,
         "backend": backend,
     }
+    if getattr(query, "is_nested", False):
+        return _jagged(query, key, value, arguments)
     if (trace is not None or blocks_open()) and compiling():
         # A trace is recorded in Python, outside the graph (a graph break, said by name).
         from qkv.attention._compiled import run_eagerly
@@ -438,6 +444,53 @@ def scaled_dot_product_attention(
     context, weights = run_call(call, backend)
     context = like_layout(context, query)  # the query's memory layout, as torch's SDPA
     return (context, weights) if return_weights else context
+
+
+def _jagged(query: Any, key: Any, value: Any, arguments: dict[str, Any]) -> Any:
+    """Nested jagged inputs (B, H, j, D): one call over the packed tokens (1, H, total, D)
+    with the document rule of their sequences (:mod:`qkv.attention._packed`), and the
+    result as a nested jagged tensor (B, H, j, Dv) with the query's offsets."""
+    import torch
+
+    from qkv.attention._packed import jagged_parts, packed_rule
+
+    for name in ("mask", "bias"):
+        if arguments[name] is not None:
+            raise ValueError(
+                f"scaled_dot_product_attention: {name}= is an (Lq, Lk) array, which nested "
+                "jagged inputs do not have. Hint: is_causal=True, a score_mod, or "
+                "qkv.varlen_attention(..., window_size=...) on the packed tokens."
+            )
+    if arguments["return_weights"]:
+        raise ValueError(
+            "scaled_dot_product_attention: return_weights=True with nested jagged inputs: the "
+            "weights of sequences of different lengths are no one tensor. Hint: run a "
+            "sequence alone, as a dense (H, L, D) tensor, to see its weights."
+        )
+    q, starts_q = jagged_parts(query, "query")  # (total_q, H, D)
+    k, starts_k = jagged_parts(key, "key")  # (total_k, Hkv, D)
+    v, starts_v = jagged_parts(value, "value")  # (total_k, Hkv, Dv)
+    if starts_k != starts_v or len(starts_q) != len(starts_k):
+        raise ValueError(
+            f"scaled_dot_product_attention: query, key and value must hold the same number "
+            f"of sequences (key and value the same lengths), got {len(starts_q) - 1}, "
+            f"{len(starts_k) - 1} and {len(starts_v) - 1}. Hint: one nested tensor per "
+            "sequence batch, as torch's SDPA takes them."
+        )
+    rule = packed_rule(
+        starts_q,
+        starts_k,
+        None,
+        0 if arguments["is_causal"] else None,
+        arguments["causal_alignment"],
+    )
+    packed = {**arguments, "mask": rule, "is_causal": False}
+    out = scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], **packed
+    )  # (1, H, total_q, Dv)
+    offsets = query.transpose(1, 2).offsets()
+    tokens = out[0].transpose(0, 1)  # (total_q, H, Dv)
+    return torch.nested.nested_tensor_from_jagged(tokens, offsets).transpose(1, 2)
 
 
 def run_call(
@@ -461,6 +514,8 @@ def run_call(
         if result is not None:
             return result
         return outside_graph(_run_chosen, call, backend)  # type: ignore[no-any-return]
+    if backend == "auto":
+        _backends.count_auto_call(call)
     if rows_only and backend == "auto" and _selects_part(call):
         fast = choose(replace(call, recorder=Recorder()), "auto")
         backend = backend if fast == "reference" else fast
@@ -565,6 +620,7 @@ def explain_dispatch(
         backend: reference (asked: auto)
          → reference NumPy inputs: the reference runs them
            sdpa      refused: needs PyTorch tensors; these are NumPy arrays
+           flex      refused: needs PyTorch tensors; these are NumPy arrays
            tiled     refused: needs PyTorch tensors; these are NumPy arrays
     """
     generator = options.pop("generator", None)

@@ -177,12 +177,18 @@ def _nan_rows(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torc
 
     Such a row's scores are all NaN; torch's fused kernels treat it as a row with no allowed
     key and return zeros, where the reference (and qkv's policy: NaN in a live input comes
-    out NaN) gives NaN. Elementwise, with no host synchronisation. With a mask array the
+    out NaN) gives NaN. Elementwise, with no host synchronisation on CUDA. With a mask array the
     caller checks instead (:func:`qkv.scaled_dot_product_attention` redoes such a call with
-    the tiled kernel), as a fully masked row must stay zero.
+    the tiled kernel), as a fully masked row must stay zero. On CPU (not under torch.compile)
+    one look at the two sums first spares the usual call the rest.
     """
     # A row's sum is NaN when the row holds a NaN (or both +inf and −inf, whose scores are NaN
     # as well): one read of query and key, and small (B, H, Lq) results.
+    # On CPU a look costs no waiting: two sums, and the usual call (no NaN) returns torch's
+    # output as it is, without the copy masked_fill makes of it.
+    cpu = query.device.type == "cpu" and not torch.compiler.is_compiling()
+    if cpu and not bool(torch.isnan(query.sum() + key.sum())):
+        return out
     batch, heads, q_len = query.shape[:3]
     kv_heads = max(key.shape[1], 1)
     bad = torch.isnan(query.sum(dim=-1))  # (B, H, Lq)

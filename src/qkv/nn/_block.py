@@ -85,14 +85,17 @@ class TransformerBlock(nn.Module):
         key_padding_lengths: torch.Tensor | Sequence[int] | None = None,
         is_causal: bool = False,
         cache: KVCache | None = None,
+        cu_seqlens: torch.Tensor | Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """(B, L, E) → (B, L, E). The options are those of :meth:`MultiHeadAttention.forward`."""
+        """(B, L, E) → (B, L, E). The options are those of :meth:`MultiHeadAttention.forward`
+        (``cu_seqlens``: packed sequences in x of shape (1, T, E))."""
         attended = self.attn(
             self.attn_norm(x),
             mask=mask,
             key_padding_lengths=key_padding_lengths,
             is_causal=is_causal,
             cache=cache,
+            cu_seqlens=cu_seqlens,
         )
         x = x + self.residual_dropout(attended)
         out: torch.Tensor = x + self.residual_dropout(self.mlp(self.mlp_norm(x)))

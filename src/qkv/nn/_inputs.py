@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 
+from qkv.masks import Mask
 from qkv.nn._cache import KVCache
 
-__all__ = ["check_inputs", "divisors", "positive"]
+__all__ = ["check_inputs", "check_packed", "divisors", "positive"]
 
 
 def check_inputs(
@@ -99,3 +100,39 @@ def positive(value: Any, name: str, hint: str) -> int:
 def divisors(n: int) -> list[int]:
     """The divisors of n, for hints."""
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_packed(
+    cu_seqlens: Any,
+    query: torch.Tensor,
+    self_attention: bool,
+    mask: Any,
+    lengths: Any,
+    cache: Any,
+    is_causal: bool,
+) -> tuple[Mask, torch.Tensor]:
+    """The rule of packed sequences (each attends only to itself, causal within it when
+    asked) and each token's position within its sequence (for RoPE), after the checks."""
+    from qkv.attention._packed import offsets, packed_rule
+
+    problems = (
+        (not self_attention, "self-attention only (key and value are the packed query)"),
+        (cache is not None, "no KV cache (decoding goes one sequence at a time)"),
+        (lengths is not None, "no key_padding_lengths (packing leaves no padding)"),
+        (mask is not None and not isinstance(mask, Mask), "a mask only as a qkv.masks rule"),
+        (query.shape[0] != 1, f"a query of batch 1, (1, T, E), got {tuple(query.shape)}"),
+    )
+    for wrong, needed in problems:
+        if wrong:
+            raise ValueError(
+                f"cu_seqlens (packed sequences) takes {needed}. Hint: pack the sequences "
+                "into one row, query (1, T, E), cu_seqlens = [0, len_1, len_1 + len_2, ...]."
+            )
+    starts = offsets(
+        cu_seqlens, "cu_seqlens", int(query.shape[1]), "query", who="MultiHeadAttention"
+    )
+    rule = packed_rule(starts, starts, None, 0 if is_causal else None, "top-left")
+    lengths_of = torch.tensor(starts).diff()
+    first = torch.repeat_interleave(torch.tensor(starts[:-1]), lengths_of)  # (T,)
+    positions = (torch.arange(int(query.shape[1])) - first).to(query.device)  # (T,)
+    return rule, positions

@@ -24,9 +24,9 @@ from torch import nn
 from qkv.attention import scaled_dot_product_attention
 from qkv.attention._compiled import run_eagerly
 from qkv.distributed import Layout
-from qkv.masks import alibi
+from qkv.masks import Mask, alibi
 from qkv.nn._cache import KVCache
-from qkv.nn._inputs import check_inputs, divisors, positive
+from qkv.nn._inputs import check_inputs, check_packed, divisors, positive
 from qkv.nn._masks import MaskLike, combine_masks
 from qkv.nn._sequence import SequenceSplit, check_split, split_attention
 from qkv.nn._torch import read_torch
@@ -281,6 +281,7 @@ class MultiHeadAttention(nn.Module):
         is_causal: bool = ...,
         cache: KVCache | None = ...,
         need_weights: Literal[False] = ...,
+        cu_seqlens: torch.Tensor | Sequence[int] | None = ...,
     ) -> torch.Tensor: ...
 
     @overload
@@ -295,6 +296,7 @@ class MultiHeadAttention(nn.Module):
         is_causal: bool = ...,
         cache: KVCache | None = ...,
         need_weights: Literal[True],
+        cu_seqlens: torch.Tensor | Sequence[int] | None = ...,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def forward(
@@ -308,6 +310,7 @@ class MultiHeadAttention(nn.Module):
         is_causal: bool = False,
         cache: KVCache | None = None,
         need_weights: bool = False,
+        cu_seqlens: torch.Tensor | Sequence[int] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend from ``query`` to ``key``/``value`` (self-attention when key is None).
 
@@ -328,6 +331,12 @@ class MultiHeadAttention(nn.Module):
                 are appended to it and the queries attend to everything it holds.
             need_weights: also return the attention weights (B, H, Lq, Lk), per head and
                 before dropout (this runs the reference path).
+            cu_seqlens: (S + 1,) integers for packed training: ``query`` is (1, T, E), S
+                sequences one after another (FlashAttention's ``cu_seqlens``: a leading 0,
+                the total T last). Each sequence attends only to itself (``is_causal``
+                within it), and RoPE counts its positions from the sequence's start.
+                Self-attention only; ``mask`` then is a :class:`qkv.masks.Mask` in packed
+                positions.
 
         Returns:
             The output (B, Lq, E), or ``(output, weights)`` with ``need_weights=True``.
@@ -350,6 +359,13 @@ class MultiHeadAttention(nn.Module):
             weights_dtype=None if weights is None else weights.dtype,
             extra_rows=self.bias_k is not None or self.add_zero_attn,
         )
+        positions = None
+        if cu_seqlens is not None:  # packed sequences: the rule of each, positions within it
+            packed, positions = check_packed(
+                cu_seqlens, query, self_attention, mask, key_padding_lengths, cache, is_causal
+            )
+            mask = packed & mask if isinstance(mask, Mask) else packed
+            key_padding_lengths, is_causal = None, False
         if self.sequence_split is not None:
             return split_attention(
                 self,
@@ -362,7 +378,17 @@ class MultiHeadAttention(nn.Module):
                 cache=cache,
                 need_weights=need_weights,
             )
-        args = (query, key, value, mask, key_padding_lengths, is_causal, cache, need_weights)
+        args = (
+            query,
+            key,
+            value,
+            mask,
+            key_padding_lengths,
+            is_causal,
+            cache,
+            need_weights,
+            positions,
+        )
         if not blocks_open():  # tracing off: one look at a list, which torch.compile reads too
             return self._attend(*args, None)
         if torch.compiler.is_compiling():  # a trace is recorded outside the compiled graph
@@ -379,9 +405,20 @@ class MultiHeadAttention(nn.Module):
         is_causal: bool,
         cache: KVCache | None,
         need_weights: bool,
+        positions: torch.Tensor | None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The forward inside a tracing block: recorded when the layer is selected."""
-        args = (query, key, value, mask, key_padding_lengths, is_causal, cache, need_weights)
+        args = (
+            query,
+            key,
+            value,
+            mask,
+            key_padding_lengths,
+            is_causal,
+            cache,
+            need_weights,
+            positions,
+        )
         trace = current_trace()
         if trace is None:  # a block that records nothing here (suspended, another thread)
             return self._attend(*args, None)
@@ -409,6 +446,7 @@ class MultiHeadAttention(nn.Module):
         is_causal: bool,
         cache: KVCache | None,
         need_weights: bool,
+        positions: torch.Tensor | None,
         trace: Trace | None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         batch, lq, lk = query.shape[0], query.shape[1], key.shape[1]
@@ -431,12 +469,9 @@ class MultiHeadAttention(nn.Module):
 
         offset = 0 if cache is None else cache.position
         if isinstance(self.positional, RoPE):
-            q = apply_rope(
-                q, offset=offset, base=self.positional.base, layout=self.positional.layout
-            )
-            k = apply_rope(
-                k, offset=offset, base=self.positional.base, layout=self.positional.layout
-            )
+            base, layout = self.positional.base, self.positional.layout
+            q = apply_rope(q, positions, offset=offset, base=base, layout=layout)
+            k = apply_rope(k, positions, offset=offset, base=base, layout=layout)
         if cache is not None:
             cache._claim(self)
             k, v = cache.append(k, v)  # (B, Hkv, L + Lq, D): the tokens held and the new ones

@@ -1,0 +1,107 @@
+"""Compiled FlexAttention's forward with qkv's tiled backward on CPU (issue 27 §1), against
+the tiled kernel and SDPA with a dense mask, measured in one run, interleaved.
+
+    .venv/bin/python benchmarks/bench_compiled_cpu.py [--length 4096] [--rounds 7]
+
+For each structured mask (a causal window of 512 keys; 16 causal documents packed in one
+row), B = 1, H = 8, D = 64, float32: the forward (no gradient) and the forward + backward,
+each peer timed once per round, rounds interleaved, the median printed with its ratio to
+the tiled kernel. The first call of each compiled path (its compile) is timed apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+import qkv
+from qkv import masks
+from qkv.kernels._compiled_forward import COMPILED
+
+B, H, D = 1, 8, 64
+
+
+def _rule(kind: str, length: int) -> masks.Mask:
+    if kind == "window 512":
+        return masks.sliding_window(511)
+    ids = np.repeat(np.arange(16), -(-length // 16))[:length]
+    return masks.document(ids) & masks.causal()
+
+
+def _timed(run: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def _peers(rule: masks.Mask, length: int, grad: bool) -> dict[str, Callable[[], Any]]:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, length, D, generator=gen).requires_grad_(grad) for _ in range(3))
+    dense = rule.dense(length, length, xp=_torch_xp())  # (1, 1, N, N), built before
+
+    def call(backend: str) -> Callable[[], Any]:
+        def run() -> Any:
+            out = qkv.scaled_dot_product_attention(q, k, v, mask=rule, backend=backend)
+            if grad:
+                out.sum().backward()
+            return out
+
+        return run
+
+    def sdpa() -> Any:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+        if grad:
+            out.sum().backward()  # type: ignore[no-untyped-call]
+        return out
+
+    return {"tiled": call("tiled"), "flex": call("flex"), "auto": call("auto"), "sdpa-dense": sdpa}
+
+
+def _torch_xp() -> Any:
+    import array_api_compat.torch as torch_xp
+
+    return torch_xp
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, N = {args.length}")
+    print(f"{'case':<14}{'pass':<9}{'peer':<12}{'median ms':>10}{'/ tiled':>9}{'compile s':>11}")
+    for kind in ("window 512", "16 documents"):
+        rule = _rule(kind, args.length)
+        for grad in (False, True):
+            peers = _peers(rule, args.length, grad)
+            compile_s: dict[str, float] = {}
+            for name, run in peers.items():  # first calls: compiles, and auto's repeats
+                before = dict(COMPILED.seconds)
+                for _ in range(4 if name == "auto" else 1):
+                    run()
+                new = set(COMPILED.seconds) - set(before)
+                if new:
+                    compile_s[name] = sum(COMPILED.seconds[key] for key in new)
+            times: dict[str, list[float]] = {name: [] for name in peers}
+            for _ in range(args.rounds):
+                for name, run in peers.items():
+                    times[name].append(_timed(run))
+            base = statistics.median(times["tiled"])
+            for name, values in times.items():
+                median = statistics.median(values)
+                compiled = f"{compile_s[name]:.1f}" if name in compile_s else ""
+                print(
+                    f"{kind:<14}{'fwd+bwd' if grad else 'forward':<9}{name:<12}"
+                    f"{median * 1e3:>10.1f}{median / base:>9.2f}{compiled:>11}",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
