@@ -146,7 +146,7 @@ def test_generate_with_a_cache_equals_the_oracle(family: str) -> None:
     every step equal the eager oracle's, with a context edit and a weight edit."""
     model = _causal_lm(family)
     ids, mask = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]]), PADDING["left"]
-    row = torch.tensor([0.1, 0.2, 0.3, 0.0, 0.2, 0.2])
+    row = torch.tensor([0.0, 0.0, 0.3, 0.1, 0.4, 0.2])  # none on the padding keys
     ours_edits = (ablate(0, 2), scale(1, 1, 3.0), set_weights(1, 0, 5, row))
     their_edits = (
         OracleEdit("zero", 0, 2),
@@ -165,7 +165,7 @@ def test_generate_with_a_cache_equals_the_oracle(family: str) -> None:
     assert len(ours.logits) == 4
     for got, want in zip(ours.logits, theirs.logits, strict=True):
         assert (got - want).abs().max() <= 1e-5
-    assert (ours.logits[0] - plain.logits[0]).abs().max() > 3 * TOLERANCE[dtype]
+    assert (ours.logits[0] - plain.logits[0]).abs().max() > 1e-3
 
 
 def test_a_causal_lm_gives_the_oracle_logits_in_float64() -> None:

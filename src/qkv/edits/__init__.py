@@ -35,6 +35,14 @@ Example:
 """
 
 from qkv.edits._intervene import intervene
+from qkv.edits._patching import (
+    Metric,
+    PatchingResult,
+    ablation_sweep,
+    logit_diff,
+    patching,
+    prob,
+)
 from qkv.edits._record import head_means, record
 from qkv.edits._specs import (
     Ablate,
@@ -54,14 +62,20 @@ __all__ = [
     "Ablate",
     "Edit",
     "HeadMeans",
+    "Metric",
     "Patch",
+    "PatchingResult",
     "Recording",
     "Scale",
     "SetWeights",
     "ablate",
+    "ablation_sweep",
     "head_means",
     "intervene",
+    "logit_diff",
     "patch",
+    "patching",
+    "prob",
     "record",
     "scale",
     "set_weights",
