@@ -139,7 +139,7 @@ def _hook(module: Any, edit: OracleEdit) -> Any:
         elif edit.kind == "context":
             concat[..., part] = edit.value[:, :q_len]
         elif edit.kind == "weights":
-            concat[..., part] = edit.value[:, : q_len, :kv_len] @ v
+            concat[..., part] = edit.value[:, :q_len, :kv_len] @ v
         elif edit.kind == "row":
             first = kv_len - q_len if edit.extra.get("queries_last") else 0
             end = first + q_len

@@ -126,7 +126,11 @@ def test_an_edit_of_one_query_head_leaves_the_heads_sharing_its_kv_head() -> Non
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     before = record(model, ids, layers=0)
     source = record(model, torch.tensor([[11, 12, 13, 14, 15, 16]]), layers=0, what="weights")
-    for edit in (ablate(0, 1), patch(0, 1, source, what="weights"), set_weights(0, 1, 3, [1.0] * 6)):
+    for edit in (
+        ablate(0, 1),
+        patch(0, 1, source, what="weights"),
+        set_weights(0, 1, 3, [1.0] * 6),
+    ):
         with qkv.intervene(model, edit):
             after = record(model, ids, layers=0)
         for head in (0, 2, 3):
@@ -186,9 +190,12 @@ def test_a_trace_inside_shows_the_edited_numbers_and_the_edits() -> None:
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     row = [0.0, 0.5, 0.0, 0.0, 0.0, 0.5]
     edits = (ablate(1, 1), set_weights(1, 2, -1, row))
-    with torch.no_grad(), qkv.intervene(model, *edits):
-        with qkv.tracing(model=model, layers=1, heads=[1, 2], queries=[-1]) as t:
-            model(ids)
+    with (
+        torch.no_grad(),
+        qkv.intervene(model, *edits),
+        qkv.tracing(model=model, layers=1, heads=[1, 2], queries=[-1]) as t,
+    ):
+        model(ids)
     (call,) = t.calls
     assert call.meta["edits"] == [
         {"edit": "ablate", "head": 1, "how": "zero"},
@@ -206,28 +213,48 @@ def test_a_trace_inside_shows_the_edited_numbers_and_the_edits() -> None:
     )
 
 
+def _run_edited(model: Any, *edits: Any, ids: torch.Tensor | None = None) -> None:
+    """Enter an intervene block with ``edits`` (and run the model on ``ids``)."""
+    with torch.no_grad(), qkv.intervene(model, *edits):
+        if ids is not None:
+            model(ids)
+
+
 def test_edits_are_checked_against_the_model() -> None:
     model = _family("llama (GQA)")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     with pytest.raises(ValueError, match=r"ablate\(layer=5, head=0\): layer 5 does not exist"):
-        with qkv.intervene(model, ablate(5, 0)):
-            pass
-    with pytest.raises(ValueError, match="has 4 query heads. Hint: choose a head from 0 to 3"):
-        with qkv.intervene(model, ablate(0, 4)):
-            pass
-    with pytest.raises(ValueError, match="no attention layer is named 'layers.9'"):
-        with qkv.intervene(model, scale("layers.9", 0, 2.0)):
-            pass
+        _run_edited(model, ablate(5, 0))
+    with pytest.raises(ValueError, match=r"has 4 query heads\. Hint: choose a head from 0 to 3"):
+        _run_edited(model, ablate(0, 4))
+    with pytest.raises(ValueError, match=r"no attention layer is named 'layers\.9'"):
+        _run_edited(model, scale("layers.9", 0, 2.0))
     with pytest.raises(TypeError, match="edit 0 is a str, not an edit"):
-        with qkv.intervene(model, "ablate"):  # type: ignore[arg-type]
-            pass
+        _run_edited(model, "ablate")
     source = record(model, torch.tensor([[5, 6, 7]]), layers=0, heads=1)
     with pytest.raises(ValueError, match=r"holds no context of that head .*\(0, 1\)"):
-        with qkv.intervene(model, patch(1, 1, source)):
-            pass
+        _run_edited(model, patch(1, 1, source))
     with pytest.raises(ValueError, match="reaches position 5 but the recording holds 3"):
-        with qkv.intervene(model, patch(0, 1, source)), torch.no_grad():
-            model(torch.tensor([[5, 6, 7, 8, 9, 10]]))
+        _run_edited(model, patch(0, 1, source), ids=ids)
     with pytest.raises(ValueError, match=r"weights of shape \(4,\) for a row of 6 keys"):
-        with qkv.intervene(model, set_weights(0, 1, 2, [1.0] * 4)), torch.no_grad():
-            model(torch.tensor([[5, 6, 7, 8, 9, 10]]))
+        _run_edited(model, set_weights(0, 1, 2, [1.0] * 4), ids=ids)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_edit_arguments_are_checked_when_written() -> None:
+    with pytest.raises(TypeError, match="head must be a query head index"):
+        ablate(0, -1)
+    with pytest.raises(TypeError, match="layer must be an integer or a module path"):
+        scale(1.5, 0, 2.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"how=.mean. needs mean=\.\.\., got none"):
+        ablate(0, 0, how="mean")
+    with pytest.raises(ValueError, match="how must be 'zero' or 'mean', got 'max'"):
+        ablate(0, 0, how="max")
+    with pytest.raises(TypeError, match="factor must be a finite number, got nan"):
+        scale(0, 0, float("nan"))
+    with pytest.raises(ValueError, match="weights must hold finite numbers"):
+        set_weights(0, 0, 1, [0.5, float("inf")])
+    with pytest.raises(ValueError, match=r"weights must have shape \(Lk,\) or \(B, Lk\)"):
+        set_weights(0, 0, 1, torch.ones(1, 2, 3))
+    with pytest.raises(TypeError, match="source must be a recording, got dict"):
+        patch(0, 0, {})  # type: ignore[arg-type]

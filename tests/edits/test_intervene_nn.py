@@ -157,9 +157,12 @@ def test_decoding_with_a_cache_applies_the_edit_at_each_step() -> None:
 
 def test_a_trace_shows_the_edited_concat_and_output() -> None:
     model = Tiny().eval()
-    with torch.no_grad(), qkv.intervene(model, ablate(0, 1)):
-        with qkv.tracing(model=model, layers=0, steps=["context", "concat"]) as t:
-            model(IDS)
+    with (
+        torch.no_grad(),
+        qkv.intervene(model, ablate(0, 1)),
+        qkv.tracing(model=model, layers=0, steps=["context", "concat"]) as t,
+    ):
+        model(IDS)
     (call,) = t.calls
     assert call.meta["edits"] == [{"edit": "ablate", "head": 1, "how": "zero"}]
     assert (t["context"].value[:, 1] == 0).all()

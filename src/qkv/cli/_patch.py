@@ -29,21 +29,44 @@ _BLOCK = 8  # heads per block of the text table: 6 + 9 · 8 columns fit in 80
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--hf", required=True, metavar="DIR", help="a local model folder "
-                        "(save_pretrained) with a language-model head; read offline")
-    parser.add_argument("--clean", required=True, metavar="TEXT",
-                        help="the prompt whose contexts are patched in")
-    parser.add_argument("--corrupt", required=True, metavar="TEXT",
-                        help="the prompt that runs, one head patched at a time (as many tokens)")
-    parser.add_argument("--answer", required=True, metavar="TOKEN",
-                        help="the token the clean prompt should predict")
-    parser.add_argument("--wrong", metavar="TOKEN", help="the token the corrupt prompt "
-                        "predicts; the metric is then logit(answer) − logit(wrong), else "
-                        "the answer's probability")
-    parser.add_argument("--what", choices=("context", "weights"), default="context",
-                        help="patch each head's context (default) or its attention pattern")
-    parser.add_argument("--format", "-f", choices=("text", "json", "csv"), default="text",
-                        help="the table's format on the terminal or in --output")
+    parser.add_argument(
+        "--hf",
+        required=True,
+        metavar="DIR",
+        help="a local model folder (save_pretrained) with a language-model head; read offline",
+    )
+    parser.add_argument(
+        "--clean", required=True, metavar="TEXT", help="the prompt whose contexts are patched in"
+    )
+    parser.add_argument(
+        "--corrupt",
+        required=True,
+        metavar="TEXT",
+        help="the prompt that runs, one head patched at a time (as many tokens)",
+    )
+    parser.add_argument(
+        "--answer", required=True, metavar="TOKEN", help="the token the clean prompt should predict"
+    )
+    parser.add_argument(
+        "--wrong",
+        metavar="TOKEN",
+        help="the token the corrupt prompt "
+        "predicts; the metric is then logit(answer) − logit(wrong), else "
+        "the answer's probability",
+    )
+    parser.add_argument(
+        "--what",
+        choices=("context", "weights"),
+        default="context",
+        help="patch each head's context (default) or its attention pattern",
+    )
+    parser.add_argument(
+        "--format",
+        "-f",
+        choices=("text", "json", "csv"),
+        default="text",
+        help="the table's format on the terminal or in --output",
+    )
     parser.add_argument("--output", "-o", metavar="FILE", help="write the table to FILE")
     parser.add_argument("--html", metavar="FILE", help="write the heatmap page (a click on "
                         "a head shows its steps on both prompts)")  # fmt: skip
@@ -147,8 +170,7 @@ def table_text(result: Any, facts: dict[str, Any]) -> str:
     gap = "" if math.isnan(share) else f", {share:.0%} of the way from corrupt to clean"
     lines += [
         "",
-        f"largest effect: layer {layer}, head {head}: {_number(result.values[layer][head])}"
-        f"{gap}",
+        f"largest effect: layer {layer}, head {head}: {_number(result.values[layer][head])}{gap}",
         _short(f"layer {layer} is {result.layers[layer]}", 80),
     ]
     return "\n".join(lines) + "\n"

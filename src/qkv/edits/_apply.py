@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from qkv._edit_point import EditSite, Editor
+from qkv._edit_point import Editor, EditSite
 from qkv._extras import require
 from qkv.edits._model import Layers
 from qkv.edits._specs import Ablate, Edit, HeadMeans, Patch, Scale, SetWeights

@@ -9,7 +9,7 @@ slice changes in each run; every other head runs on the fast kernel.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,7 +114,11 @@ class PatchingResult:
 
     def best(self) -> tuple[int, int]:
         """The (layer, head) whose edit moves the metric furthest from the corrupt run."""
-        cells = [(abs(v - self.corrupt), i, h) for i, row in enumerate(self.values) for h, v in enumerate(row)]
+        cells = [
+            (abs(v - self.corrupt), i, h)
+            for i, row in enumerate(self.values)
+            for h, v in enumerate(row)
+        ]
         _, layer, head = max(cells)
         return layer, head
 
@@ -150,6 +154,16 @@ def _baseline(model: Any, inputs: Any, metric: Metric) -> float:
     torch = require("torch", feature="qkv.patching", extra="torch")
     with torch.no_grad(), intervene(model):
         return _number(metric, logits_of(run_model(model, inputs)))
+
+
+def _shapes(inputs: Any) -> Any:
+    """The shapes of some inputs (a tensor, a mapping or a tuple of them)."""
+    if isinstance(inputs, Mapping):
+        return {key: _shapes(value) for key, value in inputs.items()}
+    if isinstance(inputs, tuple):
+        return tuple(_shapes(value) for value in inputs)
+    shape = getattr(inputs, "shape", None)
+    return tuple(shape) if shape is not None else type(inputs).__name__
 
 
 def _check_metric(metric: object, where: str) -> None:
@@ -195,9 +209,17 @@ def patching(
             f"{where}: what must be 'context' or 'weights', got {what!r}. Hint: 'weights' "
             "patches the attention pattern only."
         )
+    if _shapes(clean) != _shapes(corrupt):
+        raise ValueError(
+            f"{where}: the clean inputs have shape {_shapes(clean)} and the corrupt ones "
+            f"{_shapes(corrupt)}; patching copies each position. Hint: two prompts of as many "
+            "tokens (one word changed)."
+        )
     layers = layers_of(model, where)
     source = record(model, clean, what=what)
-    heads = [len(source.contexts.get(i) or source.weights.get(i) or {}) for i in range(len(layers.paths))]
+    heads = [
+        len(source.contexts.get(i) or source.weights.get(i) or {}) for i in range(len(layers.paths))
+    ]
     clean_value = _number(metric, source.logits)
     corrupt_value = _baseline(model, corrupt, metric)
     values = _sweep(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from qkv._edit_point import EditSite, Editor, active_editor, editing
+from qkv._edit_point import Editor, EditSite, active_editor, editing
 from qkv._extras import require
 from qkv.edits._apply import positions_of
 from qkv.edits._model import Layers, layers_of, logits_of, routed_model, run_model
@@ -71,9 +71,7 @@ def _chosen(layers: Layers, chosen: Any, heads: Any, where: str) -> dict[int, li
         indices = [layers.index(check_layer(layer, where), where) for layer in items]
     if heads is not None:
         items = heads if isinstance(heads, (list, tuple)) else [heads]
-        if not items or any(
-            isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in items
-        ):
+        if not items or any(isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in items):
             raise TypeError(
                 f"{where}: heads must be query head indices (integers from 0), got {heads!r}. "
                 "Hint: heads=[0, 3]; the default records every head."
@@ -157,9 +155,7 @@ def head_means(model: Any, inputs: Any) -> HeadMeans:
     """
     runs = list(inputs) if isinstance(inputs, list) else [inputs]
     if not runs:
-        raise ValueError(
-            "head_means(model, inputs): no inputs. Hint: a list of tokenized prompts."
-        )
+        raise ValueError("head_means(model, inputs): no inputs. Hint: a list of tokenized prompts.")
     sums: dict[int, Any] = {}
     tokens = 0
     paths: tuple[str, ...] = ()

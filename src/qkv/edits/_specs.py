@@ -66,22 +66,23 @@ def _number(value: object, name: str, where: str, hint: str) -> float:
 def _tensor(value: object, name: str, where: str, hint: str) -> Any:
     """A floating tensor with finite entries (a NumPy array or a list is converted)."""
     torch = require("torch", feature="qkv.edits", extra="torch")
-    if not isinstance(value, torch.Tensor):
+    tensor: Any = value
+    if not isinstance(tensor, torch.Tensor):
         try:
-            value = torch.as_tensor(value)
+            tensor = torch.as_tensor(value)
         except (TypeError, ValueError, RuntimeError):
             raise TypeError(
                 f"{where}: {name} must be a tensor of numbers, got {type(value).__name__}. "
                 f"Hint: {hint}"
             ) from None
-    if not value.is_floating_point():
-        value = value.to(torch.get_default_dtype())
-    if value.numel() == 0 or not bool(torch.isfinite(value).all()):
+    if not tensor.is_floating_point():
+        tensor = tensor.to(torch.get_default_dtype())
+    if tensor.numel() == 0 or not bool(torch.isfinite(tensor).all()):
         raise ValueError(
-            f"{where}: {name} must hold finite numbers, got shape {tuple(value.shape)} with "
-            f"{'no entries' if value.numel() == 0 else 'NaN or infinity'}. Hint: {hint}"
+            f"{where}: {name} must hold finite numbers, got shape {tuple(tensor.shape)} with "
+            f"{'no entries' if tensor.numel() == 0 else 'NaN or infinity'}. Hint: {hint}"
         )
-    return value.detach()
+    return tensor.detach()
 
 
 @dataclass(frozen=True)
