@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 
 import qkv
-from qkv.edits import ablate, head_means, patch, record, scale, set_weights
+from qkv.edits import Edit, ablate, head_means, patch, record, scale, set_weights
+from qkv.nn import MultiHeadAttention
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
 IDS = torch.tensor([[1, 5, 9, 2, 7, 3, 8], [4, 4, 6, 1, 0, 2, 5]])
@@ -43,9 +44,13 @@ class Tiny(torch.nn.Module):
         return out
 
 
+def _attn(model: Tiny, layer: int) -> MultiHeadAttention:
+    return cast(qkv.nn.TransformerBlock, model.blocks[layer]).attn
+
+
 @contextmanager
 def oracle(model: Tiny, layer: int, head: int, kind: str, value: Any = None) -> Iterator[None]:
-    attn = model.blocks[layer].attn
+    attn = _attn(model, layer)
     seen: dict[str, torch.Tensor] = {}
 
     def keep_values(_: Any, __: Any, out: torch.Tensor) -> None:
@@ -85,7 +90,7 @@ def oracle(model: Tiny, layer: int, head: int, kind: str, value: Any = None) -> 
 def _source(model: Tiny, layer: int, head: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The (B, L, D) context of one head on OTHER (the out_proj input) and its (B, L, L)
     weights (the reference's, through qkv.tracing)."""
-    attn = model.blocks[layer].attn
+    attn = _attn(model, layer)
     seen = {}
 
     def keep(_: Any, args: tuple[torch.Tensor, ...]) -> None:
@@ -102,6 +107,8 @@ def _source(model: Tiny, layer: int, head: int) -> tuple[torch.Tensor, torch.Ten
 @pytest.mark.parametrize("kind", ["zero", "mean", "scale", "context", "weights", "row"])
 def test_every_edit_equals_the_oracle(kind: str, dtype: torch.dtype) -> None:
     model = Tiny().to(dtype).eval()
+    ours: Edit
+    theirs: Any
     for layer, head in ((0, 1), (1, 2)):
         if kind == "zero":
             ours, theirs = ablate(layer, head), None
@@ -145,7 +152,7 @@ def test_mean_ablation_uses_the_mean_over_the_prompts() -> None:
 def test_decoding_with_a_cache_applies_the_edit_at_each_step() -> None:
     """A KV cache: one token at a time gives the logits of the edited full pass."""
     model = Tiny().eval()
-    attn = model.blocks[0].attn
+    attn = _attn(model, 0)
     x = torch.randn(1, 5, 16)
     edit = set_weights(0, 3, 4, [0.5, 0.5, 0.0, 0.0, 0.0])
     with torch.no_grad(), qkv.intervene(model, edit, scale(0, 0, 0.5)):

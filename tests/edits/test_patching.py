@@ -102,7 +102,7 @@ def test_metrics_read_the_last_position() -> None:
     with pytest.raises(ValueError, match="token id 7 is not in the vocabulary of 3"):
         qkv.prob(7)(logits)
     with pytest.raises(TypeError, match="answer must be a token id"):
-        qkv.logit_diff("mat", 0)  # type: ignore[arg-type]
+        qkv.logit_diff("mat", 0)
 
 
 def test_any_function_of_the_logits_is_a_metric_and_a_bad_one_is_named() -> None:
@@ -113,7 +113,7 @@ def test_any_function_of_the_logits_is_a_metric_and_a_bad_one_is_named() -> None
     with pytest.raises(TypeError, match="the metric returned list, not one number"):
         qkv.patching(model, clean, corrupt, lambda logits: [1, 2])
     with pytest.raises(TypeError, match="metric must be a function of the logits"):
-        qkv.patching(model, clean, corrupt, "logit_diff")  # type: ignore[arg-type]
+        qkv.patching(model, clean, corrupt, "logit_diff")
     with pytest.raises(ValueError, match="what must be 'context' or 'weights', got 'pattern'"):
         qkv.patching(model, clean, corrupt, qkv.prob(MAT), what="pattern")
     shapes = r"clean inputs have shape \(1, 3\) and the corrupt ones \(1, 5\)"

@@ -13,6 +13,7 @@ first into the second flips the answer.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers as tf
@@ -22,7 +23,8 @@ from tests.support.hf_models import VOCAB, tokenizer
 CAT, DOG, MAT, HOUSE = VOCAB["cat"], VOCAB["dog"], VOCAB["mat"], VOCAB["house"]
 
 
-def flip_model() -> tf.LlamaForCausalLM:
+def flip_model() -> Any:
+    """The model (a ``LlamaForCausalLM``), in evaluation mode."""
     config = tf.LlamaConfig(
         vocab_size=len(VOCAB), hidden_size=32, intermediate_size=8, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False,
