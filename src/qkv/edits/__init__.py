@@ -44,6 +44,7 @@ from qkv.edits._patching import (
     prob,
 )
 from qkv.edits._record import head_means, record
+from qkv.edits._stats import STATISTICS, HeadStats, head_stats
 from qkv.edits._specs import (
     Ablate,
     Edit,
@@ -59,9 +60,11 @@ from qkv.edits._specs import (
 )
 
 __all__ = [
+    "STATISTICS",
     "Ablate",
     "Edit",
     "HeadMeans",
+    "HeadStats",
     "Metric",
     "Patch",
     "PatchingResult",
@@ -71,6 +74,7 @@ __all__ = [
     "ablate",
     "ablation_sweep",
     "head_means",
+    "head_stats",
     "intervene",
     "logit_diff",
     "patch",
