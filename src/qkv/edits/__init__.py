@@ -44,7 +44,6 @@ from qkv.edits._patching import (
     prob,
 )
 from qkv.edits._record import head_means, record
-from qkv.edits._stats import STATISTICS, HeadStats, head_stats
 from qkv.edits._specs import (
     Ablate,
     Edit,
@@ -58,6 +57,7 @@ from qkv.edits._specs import (
     scale,
     set_weights,
 )
+from qkv.edits._stats import STATISTICS, HeadStats, head_stats
 
 __all__ = [
     "STATISTICS",

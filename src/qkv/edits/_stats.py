@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from qkv._edit_point import EditSite, Editor, active_editor, editing
+from qkv._edit_point import Editor, EditSite, active_editor, editing
 from qkv._extras import require
 from qkv.edits._apply import positions_of
 from qkv.edits._model import Layers, layers_of, routed_model
