@@ -41,14 +41,15 @@ TOLERANCE = 1e-4
 
 
 def build(quick: bool) -> Any:
-    size = (
+    size: dict[str, Any] = (
         {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
         if quick
         else {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4}
     )
     config = LlamaConfig(vocab_size=1000, num_attention_heads=8, num_key_value_heads=8, **size)
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
+    model: Any = LlamaForCausalLM(config)
+    return model.eval()
 
 
 def prompts(length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +116,8 @@ def eager_sweep(model: Any, clean: torch.Tensor, corrupt: torch.Tensor) -> list[
 
 
 def qkv_sweep(model: Any, clean: torch.Tensor, corrupt: torch.Tensor) -> list[list[float]]:
-    return qkv.patching(model, clean, corrupt, metric).values
+    values: list[list[float]] = qkv.patching(model, clean, corrupt, metric).values
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     for length in lengths:
         clean, corrupt = prompts(length)
         ours, theirs = qkv_sweep(model, clean, corrupt), eager_sweep(model, clean, corrupt)
-        worst = max(abs(a - b) for ra, rb in zip(ours, theirs) for a, b in zip(ra, rb))
+        worst = max(
+            abs(a - b)
+            for ra, rb in zip(ours, theirs, strict=True)
+            for a, b in zip(ra, rb, strict=True)
+        )
         if worst > TOLERANCE:
             print(f"the tables differ by {worst:.2e} at N = {length}", file=sys.stderr)
             return 1

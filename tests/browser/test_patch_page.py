@@ -66,3 +66,25 @@ def test_the_prompts_text_is_text_never_html(tab: Tab, page: Path) -> None:
     assert summary.startswith("clean: the cat sat on <b>x</b>")
     headers = "[...document.querySelectorAll('[data-step=weights] th')].map(t => t.textContent)"
     assert "[UNK]" in tab.js(headers)  # the tokenizer's own tokens label the rows
+
+
+@pytest.fixture(scope="module")
+def heads_page(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = save_flip_model(tmp_path_factory.mktemp("heads") / "flip")
+    texts = folder.parent / "prompts.txt"
+    texts.write_text("the cat sat on the mat\nthe dog ran to the house\n", encoding="utf-8")
+    target = folder.parent / "heads.html"
+    argv = ["heads", "--hf", str(folder), "--texts", str(texts), "--html", str(target)]
+    assert main([*argv, "--induction-length", "8"]) == 0
+    return target
+
+
+def test_the_heads_page_has_a_heatmap_per_statistic(tab: Tab, heads_page: Path) -> None:
+    tab.open(heads_page)
+    assert tab.problems() == []
+    tables = "[...document.querySelectorAll('table')].map(t => t.dataset.statistic)"
+    assert tab.js(tables) == ["entropy", "sink", "previous", "diagonal", "induction"]
+    # head 0 of layer 0 looks at the animal, or at the first token before one comes
+    cell = "document.querySelector('table[data-statistic=entropy] tr:nth-child(2) td')"
+    assert float(tab.js(cell + ".textContent")) < 0.5
+    assert tab.js(cell + ".className") != ""

@@ -10,6 +10,7 @@ previous-token head writes the token before each position; two layers of
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ class Heads(nn.Module):
         with torch.no_grad():
             for p in self.parameters():
                 p.zero_()
-            first, second = self.layers
+            first, second = (cast(MultiHeadAttention, layer) for layer in self.layers)
             # layer 0, head 0: previous token. Query of position i is "position i − 1".
             for i in range(1, P):
                 first.q_proj.weight[i - 1, POSITION + i] = C
@@ -50,7 +51,7 @@ class Heads(nn.Module):
             for j in range(P):
                 second.q_proj.weight[P + j, POSITION + j] = C
                 second.k_proj.weight[P + j, POSITION + j] = 1.0
-            for layer in self.layers:  # scores C · √P / √P: the scale cancels
+            for layer in (first, second):  # scores C · √P / √P: the scale cancels
                 layer.q_proj.weight.mul_(math.sqrt(P))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
