@@ -25,6 +25,9 @@ PAGE_VALUES = 1_000_000
 """The most numbers the page holds: every step of every head while they fit, else the
 weights and contexts only."""
 
+NO_EFFECT = 1e-6
+"""A head whose patch moves the metric by no more than this has no effect."""
+
 _BLOCK = 8  # heads per block of the text table: 6 + 9 · 8 columns fit in 80
 
 
@@ -166,11 +169,14 @@ def table_text(result: Any, facts: dict[str, Any]) -> str:
             cells = "".join(f"{_number(row[h]):>9}" if h < len(row) else " " * 9 for h in shown)
             lines.append(f"{layer:>5} {cells}")
     layer, head = result.best()
+    value = result.values[layer][head]
+    if not abs(value - result.corrupt) > NO_EFFECT:
+        return "\n".join([*lines, "", "no head moves the metric from the corrupt run's"]) + "\n"
     share = result.normalized()[layer][head]
     gap = "" if math.isnan(share) else f", {share:.0%} of the way from corrupt to clean"
     lines += [
         "",
-        f"largest effect: layer {layer}, head {head}: {_number(result.values[layer][head])}{gap}",
+        f"largest effect: layer {layer}, head {head}: {_number(value)}{gap}",
         _short(f"layer {layer} is {result.layers[layer]}", 80),
     ]
     return "\n".join(lines) + "\n"
