@@ -18,7 +18,7 @@ from typing import Any
 
 from qkv._format import visible
 from qkv.cli._common import Command, CommandError, Output, write_all
-from qkv.cli._hf_model import load
+from qkv.cli._hf_model import load, text_writer
 
 __all__ = ["COMMAND"]
 
@@ -90,7 +90,7 @@ def _run(args: argparse.Namespace) -> int:
         )
     prompts = _prompts(args.texts)
     loaded = load(args.hf, "qkv heads")
-    from qkv.hf._text import tokenize
+    from qkv.hf._text import _max_positions, tokenize
 
     ids = []
     for number, prompt in enumerate(prompts, start=1):
@@ -101,7 +101,7 @@ def _run(args: argparse.Namespace) -> int:
     import qkv
 
     length = args.induction_length
-    limit = _positions(loaded.model.config)
+    limit = _max_positions(loaded.model.config)
     if limit is not None and 2 * length > limit:
         length = limit // 2
     stats = qkv.head_stats(loaded.model, ids, induction_length=length)
@@ -111,7 +111,7 @@ def _run(args: argparse.Namespace) -> int:
         from qkv.render._heads_page import heads_page
 
         page = heads_page(title, list(stats.layers), stats.values)
-        outputs.append(Output("--html", args.html, lambda p: _write(p, page), "page", (".html",)))
+        outputs.append(Output("--html", args.html, text_writer(page), "page", (".html",)))
     if args.plot is not None:
         outputs.append(
             Output("--plot", args.plot, lambda p: _plot(p, stats, title), "figure",
@@ -119,26 +119,12 @@ def _run(args: argparse.Namespace) -> int:
         )  # fmt: skip
     rendered = _render(args.format, stats, title)
     if args.output is not None:
-        outputs.append(Output("--output", args.output, lambda p: _write(p, rendered), args.format))
+        outputs.append(Output("--output", args.output, text_writer(rendered), args.format))
     if outputs:
         write_all(outputs)
     if args.output is None:
         print(rendered, end="")
     return 0
-
-
-def _positions(config: Any) -> int | None:
-    for name in ("max_position_embeddings", "n_positions"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def _write(path: Any, text: str) -> None:
-    from qkv._io import write_atomic
-
-    write_atomic(path, text)
 
 
 def _number(value: float) -> str:

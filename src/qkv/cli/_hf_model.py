@@ -3,11 +3,13 @@ never its code, never a pickle (``qkv.hf``); every problem one line."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from qkv.cli._common import CommandError
 
-__all__ = ["load", "token_id"]
+__all__ = ["load", "text_writer", "token_id"]
 
 
 def load(folder: str, command: str) -> Any:
@@ -44,3 +46,13 @@ def token_id(loaded: Any, token: str, option: str) -> int:
         f"{option} {visible(token)!r} is not one token of the model's vocabulary. Hint: "
         "give a word the tokenizer keeps whole, or a token as it spells it (e.g. 'Ġcat')"
     )
+
+
+def text_writer(text: str) -> Callable[[Path], None]:
+    """What an :class:`~qkv.cli._common.Output` calls to write ``text``, atomically."""
+    from qkv._io import write_atomic
+
+    def write(path: Path) -> None:
+        write_atomic(path, text)
+
+    return write

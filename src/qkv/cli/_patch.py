@@ -17,7 +17,7 @@ from typing import Any
 
 from qkv._format import visible
 from qkv.cli._common import Command, CommandError, Output, write_all
-from qkv.cli._hf_model import load, token_id
+from qkv.cli._hf_model import load, text_writer, token_id
 
 __all__ = ["COMMAND", "table_text"]
 
@@ -124,21 +124,15 @@ def _run(args: argparse.Namespace) -> int:
     outputs = []
     if args.html is not None:
         page = _page(loaded, result, facts)
-        outputs.append(Output("--html", args.html, lambda p: _write(p, page), "page", (".html",)))
+        outputs.append(Output("--html", args.html, text_writer(page), "page", (".html",)))
     rendered = _render(args.format, result, facts)
     if args.output is not None:
-        outputs.append(Output("--output", args.output, lambda p: _write(p, rendered), args.format))
+        outputs.append(Output("--output", args.output, text_writer(rendered), args.format))
     if outputs:
         write_all(outputs)
     if args.output is None:
         print(rendered, end="")
     return 0
-
-
-def _write(path: Any, text: str) -> None:
-    from qkv._io import write_atomic
-
-    write_atomic(path, text)
 
 
 def _number(value: float) -> str:
