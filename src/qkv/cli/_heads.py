@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from qkv._format import visible
-from qkv.cli._common import Command, CommandError, Output, write_all
-from qkv.cli._hf_model import load, text_writer
+from qkv.cli._common import Command, CommandError, Output
+from qkv.cli._hf_model import load, show, text_writer
 
 __all__ = ["COMMAND"]
 
@@ -118,13 +118,7 @@ def _run(args: argparse.Namespace) -> int:
                    (".png", ".svg"))
         )  # fmt: skip
     rendered = _render(args.format, stats, title)
-    if args.output is not None:
-        outputs.append(Output("--output", args.output, text_writer(rendered), args.format))
-    if outputs:
-        write_all(outputs)
-    if args.output is None:
-        print(rendered, end="")
-    return 0
+    return show(rendered, args.format, args.output, outputs)
 
 
 def _number(value: float) -> str:

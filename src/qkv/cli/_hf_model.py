@@ -7,9 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from qkv.cli._common import CommandError
+from qkv.cli._common import CommandError, Output, write_all
 
-__all__ = ["load", "text_writer", "token_id"]
+__all__ = ["load", "show", "text_writer", "token_id"]
 
 
 def load(folder: str, command: str) -> Any:
@@ -56,3 +56,14 @@ def text_writer(text: str) -> Callable[[Path], None]:
         write_atomic(path, text)
 
     return write
+
+
+def show(rendered: str, fmt: str, output: str | None, files: list[Output]) -> int:
+    """Write ``files`` (all or none) and the table to ``output``, or print the table."""
+    if output is not None:
+        files = [*files, Output("--output", output, text_writer(rendered), fmt)]
+    if files:
+        write_all(files)
+    if output is None:
+        print(rendered, end="")
+    return 0

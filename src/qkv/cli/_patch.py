@@ -16,8 +16,8 @@ import math
 from typing import Any
 
 from qkv._format import visible
-from qkv.cli._common import Command, CommandError, Output, write_all
-from qkv.cli._hf_model import load, text_writer, token_id
+from qkv.cli._common import Command, CommandError, Output
+from qkv.cli._hf_model import load, show, text_writer, token_id
 
 __all__ = ["COMMAND", "table_text"]
 
@@ -126,13 +126,7 @@ def _run(args: argparse.Namespace) -> int:
         page = _page(loaded, result, facts)
         outputs.append(Output("--html", args.html, text_writer(page), "page", (".html",)))
     rendered = _render(args.format, result, facts)
-    if args.output is not None:
-        outputs.append(Output("--output", args.output, text_writer(rendered), args.format))
-    if outputs:
-        write_all(outputs)
-    if args.output is None:
-        print(rendered, end="")
-    return 0
+    return show(rendered, args.format, args.output, outputs)
 
 
 def _number(value: float) -> str:

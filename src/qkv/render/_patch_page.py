@@ -9,13 +9,12 @@ hash in a Content-Security-Policy that lets it request nothing. The script sets 
 
 from __future__ import annotations
 
-from html import escape
 from typing import Any
 
 import numpy as np
 
 from qkv._format import visible
-from qkv.render._html import _asset, _json_for_script, _sha256
+from qkv.render._html import _asset, self_contained
 from qkv.trace import Trace
 
 __all__ = ["PATCH_STEPS", "head_steps", "patching_page"]
@@ -66,25 +65,9 @@ def patching_page(data: dict[str, Any]) -> str:
         part["tokens"] = [visible(str(t)) for t in part["tokens"]]
         data[side] = part
     data["layers"] = [visible(str(layer)) for layer in data["layers"]]
-    css, script = _asset("patch.css"), _asset("patch.js")
-    for name, text, end in (("patch.css", css, "</style"), ("patch.js", script, "</script")):
-        if end in text.lower() or "<!--" in text:
-            raise RuntimeError(f"qkv's {name} must not contain {end!r} or '<!--'")
-    policy = (
-        f"default-src 'none'; style-src 'sha256-{_sha256(css)}'; "
-        f"script-src 'sha256-{_sha256(script)}'; base-uri 'none'; form-action 'none'"
-    )
-    title = escape(f"{visible(str(data['title']))} · qkv", quote=True)
-    return (
-        "<!DOCTYPE html>\n"
-        '<html lang="en">\n<head>\n<meta charset="utf-8">\n'
-        '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
-        f'<meta http-equiv="Content-Security-Policy" content="{policy}">\n'
-        '<meta name="generator" content="qkv">\n'
-        f"<title>{title}</title>\n"
-        f"<style>{css}</style>\n</head>\n<body>\n"
+    main = (
         '<main id="qkv-patch"><noscript>This page needs JavaScript to draw the heatmap.'
-        "</noscript></main>\n"
-        f'<script type="application/json" id="qkv-data">{_json_for_script(data)}</script>\n'
-        f"<script>{script}</script>\n</body>\n</html>\n"
+        "</noscript></main>"
     )
+    title = visible(str(data["title"]))
+    return self_contained(title, _asset("patch.css"), _asset("patch.js"), main, data)
