@@ -194,7 +194,7 @@ def _plot(path: Path, stats: Any, title: str) -> None:
 
 COMMAND = Command(
     name="heads",
-    summary="what each head attends to over many prompts (Hugging Face models)",
+    summary="what each head of a Hugging Face model attends to",
     description=(
         "Per layer and head of a local model: the entropy of its attention, the share\n"
         "on the first token (sink), on the token before (previous), on itself (diagonal)\n"

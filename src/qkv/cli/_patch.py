@@ -236,7 +236,7 @@ def _page(loaded: Any, result: Any, facts: dict[str, Any]) -> str:
 
 COMMAND = Command(
     name="patch",
-    summary="activation patching: which heads carry the answer (Hugging Face models)",
+    summary="activation patching of a Hugging Face model's heads",
     description=(
         "Patch each attention head, one at a time, from the run on --clean into the run\n"
         "on --corrupt, and show what the metric becomes: logit(answer) − logit(wrong) at\n"
