@@ -77,13 +77,12 @@ def _edits(
         context, weights = record_eager(model, lambda: model(**source_inputs), layer, head)
         theirs = context if kind == "context" else weights
         return patch(layer, head, source, what=kind), OracleEdit(kind, layer, head, theirs)
-    # the shapes of this head's context and weights in this run
-    shapes = record(model, inputs, layers=layer, heads=head, what="weights")
-    keys = int(shapes.weights[layer][head].shape[-1])
-    width = int(record(model, inputs, layers=layer, heads=head).contexts[layer][head].shape[-1])
-    if kind == "mean":
-        mean = torch.randn(width, generator=generator).to(dtype)
+    if kind == "mean":  # a mean of the head's width
+        width = record(model, inputs, layers=layer, heads=head).contexts[layer][head].shape[-1]
+        mean = torch.randn(int(width), generator=generator).to(dtype)
         return ablate(layer, head, how="mean", mean=mean), OracleEdit("mean", layer, head, mean)
+    shapes = record(model, inputs, layers=layer, heads=head, what="weights")
+    keys = int(shapes.weights[layer][head].shape[-1])  # a row of this call's keys
     row = torch.rand(keys, generator=generator).to(dtype)
     if keys == PADDING["left"].shape[1]:  # no weight on padding keys, whose values differ
         row = row * PADDING["left"].all(0)
@@ -105,8 +104,9 @@ def test_every_edit_equals_the_eager_oracle(family: str, kind: str, dtype: torch
     for layer, head in ((0, 1), (layers - 1, 3)):
         ours_edit, their_edit = _edits(model, kind, layer, head, inputs, source_inputs)
         with torch.no_grad():
-            with qkv.intervene(model):  # unedited (eager may give NaN in float64)
-                plain = model(**inputs)
+            if layer == 0:
+                with qkv.intervene(model):  # unedited (eager may give NaN in float64)
+                    plain = model(**inputs)
             with qkv.intervene(model, ours_edit):
                 ours = model(**inputs)
             with oracle(model, their_edit):
