@@ -170,6 +170,11 @@ def table_text(result: Any, facts: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _visible_side(side: dict[str, Any]) -> dict[str, Any]:
+    """A prompt's text and tokens with control characters written out (for JSON)."""
+    return {**side, "text": visible(side["text"]), "tokens": [visible(t) for t in side["tokens"]]}
+
+
 def _render(fmt: str, result: Any, facts: dict[str, Any]) -> str:
     normalized = result.normalized()
     if fmt == "text":
@@ -180,8 +185,7 @@ def _render(fmt: str, result: Any, facts: dict[str, Any]) -> str:
             "family": facts["family"],
             "metric": facts["metric"],
             "what": result.what,
-            "clean": {**facts["clean"], "text": visible(facts["clean"]["text"])},
-            "corrupt": {**facts["corrupt"], "text": visible(facts["corrupt"]["text"])},
+            **{side: _visible_side(facts[side]) for side in ("clean", "corrupt")},
             "layers": list(result.layers),
             "values": result.values,
             "normalized": [[None if math.isnan(v) else v for v in row] for row in normalized],
