@@ -65,18 +65,18 @@ def _prompts(path: str) -> list[str]:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
         raise CommandError(
-            f"--texts {visible(path)!r} is not UTF-8 text (byte {error.start}). Hint: save "
+            f"--texts '{visible(path)}' is not UTF-8 text (byte {error.start}). Hint: save "
             "the prompts as UTF-8, one a line"
         ) from None
     except (ValueError, OSError) as error:
         reason = getattr(error, "strerror", None) or str(error)
-        raise CommandError(f"--texts {visible(path)!r}: {reason}") from None
+        raise CommandError(f"--texts '{visible(path)}': {reason}") from None
     prompts = [line.strip() for line in text.splitlines() if line.strip()]
     if not prompts:
-        raise CommandError(f"--texts {visible(path)!r} holds no prompt. Hint: one prompt a line")
+        raise CommandError(f"--texts '{visible(path)}' holds no prompt. Hint: one prompt a line")
     if len(prompts) > PROMPTS_LIMIT:
         raise CommandError(
-            f"--texts {visible(path)!r} holds {len(prompts)} prompts, more than "
+            f"--texts '{visible(path)}' holds {len(prompts)} prompts, more than "
             f"{PROMPTS_LIMIT}. Hint: a sample of them"
         )
     return prompts

@@ -43,7 +43,7 @@ def token_id(loaded: Any, token: str, option: str) -> int:
     from qkv._format import visible
 
     raise CommandError(
-        f"{option} {visible(token)!r} is not one token of the model's vocabulary. Hint: "
+        f"{option} '{visible(token)}' is not one token of the model's vocabulary. Hint: "
         "give a word the tokenizer keeps whole, or a token as it spells it (e.g. 'Ġcat')"
     )
 
