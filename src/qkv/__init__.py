@@ -35,17 +35,24 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 _SUBMODULES = (
     "examples", "render", "cli", "nn", "positional", "check", "kernels",
-    "embeddings", "data", "train", "distributed", "hf",
+    "embeddings", "data", "train", "distributed", "hf", "edits",
 )  # fmt: skip
+
+_EDITS = ("intervene", "patching", "head_stats", "logit_diff", "prob")
+"""Names of ``qkv.edits`` (PyTorch) also reachable as ``qkv.<name>``."""
 
 
 def __getattr__(name: str) -> Any:
     """``qkv.examples``, ``qkv.render``, ``qkv.cli``, ``qkv.nn`` (PyTorch) and
-    ``qkv.positional`` load on first use, as does ``qkv.flex_attention`` (PyTorch)."""
+    ``qkv.positional`` load on first use, as do ``qkv.flex_attention`` and the interventions
+    of ``qkv.edits`` (``qkv.intervene``, ``qkv.patching``, ``qkv.head_stats``, ``qkv.logit_diff``,
+    ``qkv.prob``; PyTorch)."""
     if name in _SUBMODULES:
         return import_module(f"qkv.{name}")
     if name == "flex_attention":
         return import_module("qkv.kernels").flex_attention
+    if name in _EDITS:
+        return getattr(import_module("qkv.edits"), name)
     raise AttributeError(f"module 'qkv' has no attribute {name!r}")
 
 
@@ -58,9 +65,14 @@ __all__ = [
     "current_trace",
     "explain_dispatch",
     "flex_attention",
+    "head_stats",
+    "intervene",
+    "logit_diff",
     "masks",
     "merge_heads",
     "multi_head_attention",
+    "patching",
+    "prob",
     "scaled_dot_product_attention",
     "self_attention",
     "softmax",

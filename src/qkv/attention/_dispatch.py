@@ -627,3 +627,28 @@ def explain_dispatch(
     dropout = options.get("dropout_p", 0.0)
     call = make_call(query, key, value, generator=0 if dropout else generator, **options)
     return decide(call, backend)
+
+
+def weight_rows(
+    query: Array, key: Array, value: Array, heads: list[int], rows: list[int], **options: Any
+) -> Array:
+    """The exact attention weights of some query heads and rows, on the reference.
+
+    Only those rows are computed, in O(len(heads) · len(rows) · Lk) memory: what an
+    intervention or a head statistic needs without forming the whole (Lq, Lk) pattern.
+    ``options`` are those of :func:`scaled_dot_product_attention` (mask, bias, score_mod,
+    is_causal, scale, sinks, ...); the rows of a call with sinks sum to less than 1.
+
+    Returns:
+        (…, len(heads), len(rows), Lk) weights, a NumPy array (float64 for float64 inputs).
+
+    Example:
+        >>> import numpy as np
+        >>> q = k = v = np.ones((1, 2, 3, 4))                 # (B, H, L, D)
+        >>> weight_rows(q, k, v, [1], [2], is_causal=True).round(3)
+        array([[[[0.333, 0.333, 0.333]]]])
+    """
+    trace = Trace(heads=tuple(heads), queries=tuple(rows), record_steps=("weights",))
+    call = positional_bias(make_call(query, key, value, trace=trace, **options))
+    record_partial(call, trace, call.query, backend="reference")
+    return trace["weights"].value

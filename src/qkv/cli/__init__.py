@@ -20,7 +20,17 @@ import os
 import sys
 from collections.abc import Sequence
 
-from qkv.cli import _bench, _check, _evaluate, _examples, _explain, _grade, _train
+from qkv.cli import (
+    _bench,
+    _check,
+    _evaluate,
+    _examples,
+    _explain,
+    _grade,
+    _heads,
+    _patch,
+    _train,
+)
 from qkv.cli._common import Command, CommandError, Parser, examples_block, one_line
 
 __all__ = ["COMMANDS", "build_parser", "main"]
@@ -33,6 +43,8 @@ COMMANDS: tuple[Command, ...] = (
     _bench.COMMAND,
     _train.COMMAND,
     _evaluate.COMMAND,
+    _patch.COMMAND,
+    _heads.COMMAND,
 )
 """The subcommands, in the order ``qkv --help`` lists them."""
 

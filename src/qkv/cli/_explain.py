@@ -535,7 +535,7 @@ def _html_page(
 
 COMMAND = Command(
     name="explain",
-    summary="show every step of attention on a worked example, with its numbers",
+    summary="show every step of attention on a worked example, with numbers",
     description=(
         "Compute softmax(Q·Kᵀ/√d_k)·V on a worked example and show every step: the\n"
         "embeddings, the query, key and value vectors, the attention scores, the scaling,\n"

@@ -22,6 +22,12 @@ Example:
 
 from __future__ import annotations
 
-from qkv.hf._adapter import IMPLEMENTATION, attention_modules, qkv_attention_forward, qkv_mask
+from qkv.hf._adapter import (
+    IMPLEMENTATION,
+    attention_modules,
+    qkv_attention_forward,
+    qkv_mask,
+    routed,
+)
 
-__all__ = ["IMPLEMENTATION", "attention_modules", "qkv_attention_forward", "qkv_mask"]
+__all__ = ["IMPLEMENTATION", "attention_modules", "qkv_attention_forward", "qkv_mask", "routed"]

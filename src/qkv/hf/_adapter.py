@@ -17,14 +17,21 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
+from qkv._edit_point import EditSite, active_editor
 from qkv._extras import require
-from qkv.attention._dispatch import make_call, run_call
+from qkv.attention._dispatch import make_call, run_call, weight_rows
 from qkv.masks import softcap as softcap_mod
 from qkv.steps import projection_formula
 from qkv.trace import Trace, current_trace, suspended
 from qkv.trace._context import register_model_adapter
 
-__all__ = ["IMPLEMENTATION", "attention_modules", "qkv_attention_forward", "qkv_mask"]
+__all__ = [
+    "IMPLEMENTATION",
+    "attention_modules",
+    "qkv_attention_forward",
+    "qkv_mask",
+    "routed",
+]
 
 IMPLEMENTATION = "qkv"
 """The name under which qkv's attention and mask functions are registered in transformers."""
@@ -231,6 +238,7 @@ def qkv_attention_forward(
         query,
         key,
         value,
+        causal=causal,
         **layout,
         bias=bias,
         score_mod=None if softcap is None else softcap_mod(float(softcap)),
@@ -288,14 +296,15 @@ def _boolean_mask(mask: Any, q_len: int, kv_len: int) -> dict[str, Any]:
     return {"mask": mask}
 
 
-def _run(module: Any, query: Any, key: Any, value: Any, **options: Any) -> Any:
+def _run(module: Any, query: Any, key: Any, value: Any, *, causal: bool, **options: Any) -> Any:
     """Run qkv's attention, inside the module's layer when the enclosing trace selects it.
 
     A layer that is not recorded runs on the fast path (``auto``: torch's SDPA, or the tiled
     kernel for softcap and sinks). A recorded layer runs the same fast path for its output
     and recomputes only the selected heads and query rows on the reference (O(rows · N)
     memory); only when transformers collects the weights (``output_attentions=True``) does
-    the reference form them all.
+    the reference form them all. Inside a ``qkv.intervene`` block the result goes through
+    its editor (``causal``: the queries are the last positions of the keys).
     """
     counter = _calls.get()
     if counter is not None:
@@ -313,6 +322,16 @@ def _run(module: Any, query: Any, key: Any, value: Any, **options: Any) -> Any:
             **options,
         )
         context, formed = run_call(call, rows_only=True)
+        editor = active_editor()
+        if editor is not None:
+            gqa = query.shape[1] != key.shape[1]
+
+            def rows_of(heads: list[int], rows: list[int]) -> Any:
+                found = weight_rows(query, key, value, heads, rows, enable_gqa=gqa, **options)
+                return require("torch", feature="qkv.hf").from_numpy(found).to(query.device)
+
+            site = EditSite(module, query, key, value, context, formed, causal, rows_of)
+            context, formed = editor(site)
         return (context, formed) if weights else context
 
     trace = current_trace()
@@ -370,14 +389,21 @@ def _uses_interface(model: Any) -> bool:
 
 
 @contextmanager
-def _adapt(model: Any, trace: Trace) -> Iterator[None]:
-    """Inside the block, ``model`` runs its attention through qkv and ``trace`` names its
-    attention modules; the previous implementation comes back afterwards."""
+def routed(model: Any, *, caller: str = "tracing(model=...)") -> Iterator[list[tuple[str, Any]]]:
+    """Inside the block, ``model`` runs its attention through qkv (``attn_implementation``
+    ``"qkv"``); the previous implementation comes back afterwards, also on an error. Yields
+    the model's attention modules, by module path.
+
+    Raises:
+        ValueError: the model's family does not call transformers' ``AttentionInterface``,
+            has no attention module qkv can name, or rejects the implementation; ``caller``
+            starts the message.
+    """
     config = getattr(model, "config", None)
     family = str(getattr(config, "model_type", None) or type(model).__name__)
     if config is None or not _uses_interface(model):
         raise ValueError(
-            f"tracing(model=...): the {family} family ({type(model).__name__}) does not call "
+            f"{caller}: the {family} family ({type(model).__name__}) does not call "
             "transformers' AttentionInterface, so qkv cannot see its attention. Hint: Llama, "
             "Mistral, Qwen2, Gemma2, gpt-oss, GPT-2, BERT, T5, BART, Whisper and ViT do (see "
             "docs/hf.md)."
@@ -385,20 +411,42 @@ def _adapt(model: Any, trace: Trace) -> Iterator[None]:
     modules = attention_modules(model)
     if not modules:
         raise ValueError(
-            f"tracing(model=...): the {family} model ({type(model).__name__}) has no module "
+            f"{caller}: the {family} model ({type(model).__name__}) has no module "
             "whose class name ends in 'Attention', so qkv cannot name its attention layers. "
             "Hint: see docs/hf.md for the families qkv.tracing supports."
         )
-    trace._use_model(model, modules)
     previous = config._attn_implementation
     try:
         model.set_attn_implementation(IMPLEMENTATION)
     except (ValueError, ImportError) as error:
         raise ValueError(
-            f"tracing(model=...): the {family} model rejects attn_implementation="
+            f"{caller}: the {family} model rejects attn_implementation="
             f"{IMPLEMENTATION!r} ({str(error).splitlines()[0]}). Hint: see docs/hf.md for the "
             "families qkv.tracing supports."
         ) from error
+    try:
+        yield modules
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@contextmanager
+def _adapt(model: Any, trace: Trace) -> Iterator[None]:
+    """Inside the block, ``model`` runs its attention through qkv and ``trace`` names its
+    attention modules; the previous implementation comes back afterwards."""
+    with routed(model) as modules:
+        family = str(getattr(model.config, "model_type", None) or type(model).__name__)
+        trace._use_model(model, modules)
+        with _counted(model, trace, family, modules):
+            yield
+
+
+@contextmanager
+def _counted(
+    model: Any, trace: Trace, family: str, modules: list[tuple[str, Any]]
+) -> Iterator[None]:
+    """Count the attention calls of the block into ``trace.meta["hf_calls"]``; a model that
+    ran but never called qkv's attention is an error."""
     counter = [0]
     runs = [0]
     rope = rotates_positions(model)
@@ -424,7 +472,6 @@ def _adapt(model: Any, trace: Trace) -> Iterator[None]:
         _projections.reset(projections_token)
         _calls.reset(token)
         handle.remove()
-        model.set_attn_implementation(previous)
 
 
 def _register() -> None:

@@ -21,8 +21,10 @@ from typing import Any, Literal, overload
 import torch
 from torch import nn
 
+from qkv._edit_point import EditSite, active_editor
 from qkv.attention import scaled_dot_product_attention
 from qkv.attention._compiled import run_eagerly
+from qkv.attention._dispatch import weight_rows
 from qkv.distributed import Layout
 from qkv.masks import Mask, alibi
 from qkv.nn._cache import KVCache
@@ -498,21 +500,33 @@ class MultiHeadAttention(nn.Module):
             slopes = self.positional.slopes or alibi_slopes(H)
             score_mod = alibi(list(slopes), alignment="bottom-right")
         wanted = need_weights or track is not None
+        options: dict[str, Any] = {
+            "mask": allowed,
+            "bias": bias,
+            "score_mod": score_mod,
+            "is_causal": causal_flag,
+            "causal_alignment": "top-left" if lq == lk else "bottom-right",
+            "enable_gqa": Hkv != H,
+            "sinks": self.sinks,
+        }
         out = scaled_dot_product_attention(
             q,
             k,
             v,
-            mask=allowed,
-            bias=bias,
-            score_mod=score_mod,
-            is_causal=causal_flag,
-            causal_alignment="top-left" if lq == lk else "bottom-right",
-            enable_gqa=Hkv != H,
+            **options,
             dropout_p=self.dropout if self.training else 0.0,
-            sinks=self.sinks,
             return_weights=wanted,
         )
         context, weights = out if wanted else (out, None)  # (B, H, Lq, D)
+        editor = active_editor()
+        if editor is not None:  # inside qkv.intervene: the edits of this layer
+
+            def rows_of(heads: list[int], rows: list[int]) -> torch.Tensor:
+                found = weight_rows(q, k, v, heads, rows, **options)
+                return torch.from_numpy(found).to(q.device)
+
+            last = cache is not None or (is_causal and lq < lk)
+            context, weights = editor(EditSite(self, q, k, v, context, weights, last, rows_of))
         if track is not None and weights is not None:
             track.accumulate(weights)
         concat = context.transpose(1, 2).reshape(batch, lq, H * D)  # (B, Lq, H·D)

@@ -471,25 +471,32 @@ def page_style() -> str:
 
 
 def _assemble(data: dict[str, Any]) -> str:
-    css, script = page_style(), page_script()
-    for name, text, end in (("page.css", css, "</style"), ("page.js", script, "</script")):
+    main = (
+        '<main id="qkv-app" aria-busy="true"><noscript>This page needs JavaScript to show the '
+        "attention steps.</noscript></main>"
+    )
+    return self_contained(str(data["title"]), page_style(), page_script(), main, data)
+
+
+def self_contained(title: str, css: str, script: str, main: str, data: dict[str, Any]) -> str:
+    """A page of one file: ``main`` (HTML qkv wrote), ``data`` as escaped JSON in
+    ``<script type="application/json" id="qkv-data">``, the style and the script inline and
+    allowed by hash in a Content-Security-Policy that lets the page request nothing."""
+    for name, text, end in (("style", css, "</style"), ("script", script, "</script")):
         if end in text.lower() or "<!--" in text:  # would end the inline element early
             raise RuntimeError(f"qkv's {name} must not contain {end!r} or '<!--'")
     policy = (
         f"default-src 'none'; style-src 'sha256-{_sha256(css)}'; "
         f"script-src 'sha256-{_sha256(script)}'; base-uri 'none'; form-action 'none'"
     )
-    title = escape(f"{data['title']} · qkv", quote=True)
     return (
         "<!DOCTYPE html>\n"
         '<html lang="en">\n<head>\n<meta charset="utf-8">\n'
         '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
         f'<meta http-equiv="Content-Security-Policy" content="{policy}">\n'
         '<meta name="generator" content="qkv">\n'
-        f"<title>{title}</title>\n"
-        f"<style>{css}</style>\n</head>\n<body>\n"
-        '<main id="qkv-app" aria-busy="true"><noscript>This page needs JavaScript to show the '
-        "attention steps.</noscript></main>\n"
+        f"<title>{escape(f'{title} · qkv', quote=True)}</title>\n"
+        f"<style>{css}</style>\n</head>\n<body>\n{main}\n"
         f'<script type="application/json" id="qkv-data">{_json_for_script(data)}</script>\n'
         f"<script>{script}</script>\n</body>\n</html>\n"
     )

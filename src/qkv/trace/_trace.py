@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from qkv._array import Array, library, to_numpy
 from qkv._io import write_atomic
 from qkv.steps import STEP_NAMES
@@ -209,6 +211,35 @@ class Trace:
         self.note(**facts)
         if self._state.open is not None:
             self._state.core = "done"
+
+    def amend_last_call(self, values: Mapping[str, Any], **facts: Any) -> None:
+        """Change the call recorded last, after the fact: an intervention edited its result.
+
+        ``values`` maps a step name to its new value (a NumPy array of the step's shape, cut
+        to the step's selection); ``facts`` go into the call's meta (``edits``: what was
+        edited). A step the call did not record is left out.
+        """
+        if not self._calls:
+            return
+        last = len(self._calls) - 1
+        for position in range(len(self.steps) - 1, -1, -1):
+            step = self.steps[position]
+            if step.call is not None and step.call < last:
+                break
+            new = values.get(step.name)
+            if step.call == last and new is not None and np.shape(new) == step.shape:
+                self.steps[position] = replace(step, value=np.asarray(new))
+        self._calls[last].meta.update(facts)
+
+    def step_of_last_call(self, name: str) -> Step | None:
+        """The step ``name`` of the call recorded last, or None."""
+        last = len(self._calls) - 1
+        for step in reversed(self.steps):
+            if step.call is not None and step.call < last:
+                break
+            if step.call == last and step.name == name:
+                return step
+        return None
 
     def _open_info(self) -> CallInfo:
         assert self._state.open is not None

@@ -1,0 +1,86 @@
+"""Interventions on a model's attention heads, exact and on the fast path.
+
+``with qkv.intervene(model, *edits):`` runs a Hugging Face model (of a family qkv traces) or
+a model of ``qkv.nn`` modules with some heads changed. Each edit names a layer (0-based, as
+``qkv.tracing`` counts attention layers, or its module path) and a query head:
+
+- :func:`ablate` ``(layer, head, how="zero"|"mean", mean=None)``: the head's context, its
+  slice of the input to the output projection, becomes zeros or its mean
+  (:func:`head_means` over some prompts);
+- :func:`patch` ``(layer, head, source, what="context"|"weights")``: the context (or the
+  attention pattern, with this run's values) recorded in another run by :func:`record`;
+- :func:`scale` ``(layer, head, factor)``;
+- :func:`set_weights` ``(layer, head, query, weights)``: one row of the pattern.
+
+Only the edited heads' slices change: the other heads keep the fast kernel's output, and a
+weight edit computes only its rows. Under grouped-query attention an edit of one query head
+never changes the others that share its key/value head.
+
+:func:`patching` sweeps a patch over every layer and head (a (layers × heads) table of a
+metric such as :func:`logit_diff` or :func:`prob`); :func:`ablation_sweep` does the same
+with ablations; :func:`head_stats` measures what each head attends to (entropy, sink mass,
+previous-token, induction and diagonal scores).
+
+Example:
+    >>> import torch, qkv
+    >>> from qkv.edits import ablate, scale
+    >>> attn = qkv.nn.MultiHeadAttention(8, num_heads=2)
+    >>> x = torch.randn(1, 3, 8)
+    >>> with qkv.intervene(attn, scale(0, 1, 0.0)):
+    ...     scaled = attn(x)
+    >>> with qkv.intervene(attn, ablate(0, 1)):
+    ...     zeroed = attn(x)
+    >>> torch.equal(scaled, zeroed)
+    True
+"""
+
+from qkv.edits._intervene import intervene
+from qkv.edits._patching import (
+    Metric,
+    PatchingResult,
+    ablation_sweep,
+    logit_diff,
+    patching,
+    prob,
+)
+from qkv.edits._record import head_means, record
+from qkv.edits._specs import (
+    Ablate,
+    Edit,
+    HeadMeans,
+    Patch,
+    Recording,
+    Scale,
+    SetWeights,
+    ablate,
+    patch,
+    scale,
+    set_weights,
+)
+from qkv.edits._stats import STATISTICS, HeadStats, head_stats
+
+__all__ = [
+    "STATISTICS",
+    "Ablate",
+    "Edit",
+    "HeadMeans",
+    "HeadStats",
+    "Metric",
+    "Patch",
+    "PatchingResult",
+    "Recording",
+    "Scale",
+    "SetWeights",
+    "ablate",
+    "ablation_sweep",
+    "head_means",
+    "head_stats",
+    "intervene",
+    "logit_diff",
+    "patch",
+    "patching",
+    "prob",
+    "record",
+    "scale",
+    "set_weights",
+]
