@@ -301,7 +301,7 @@ def _write(
 
 COMMAND = Command(
     name="bench",
-    summary="time the attention kernels against SDPA, compiled FlexAttention and naive attention",
+    summary="time the attention kernels against SDPA, FlexAttention and naive",
     description=(
         "Measure qkv's tiled kernel against PyTorch's SDPA (flash and math kernels),\n"
         "naive attention (PyTorch and NumPy), FlexAttention in eager mode and under\n"
