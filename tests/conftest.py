@@ -34,8 +34,14 @@ settings.register_profile(
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
+# Hypothesis loads its own derandomized "ci" profile when CI is set, and a profile registered
+# without a value inherits the loaded one: so "dev" says derandomize=False itself.
 settings.register_profile(
-    "dev", deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
+    "dev",
+    derandomize=False,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
