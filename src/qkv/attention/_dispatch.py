@@ -22,6 +22,7 @@ from qkv.attention import _backends
 from qkv.attention._backends import BACKENDS, BackendName
 from qkv.attention._long_trace import record_partial
 from qkv.attention._options import Call, Recorder, make_call
+from qkv.attention._plans import PLANS, plain_signature
 from qkv.masks import Alignment, Mask, ScoreMod
 from qkv.trace import Trace, blocks_open
 
@@ -439,8 +440,15 @@ def scaled_dot_product_attention(
         from qkv.attention._compiled import run_eagerly
 
         return run_eagerly(scaled_dot_product_attention, query, key, value, **arguments)
+    signature = plain_signature(query, key, value, arguments, blocks_open())
+    plan = None if signature is None else PLANS.get(signature)
+    if plan is not None:  # checked and dispatched before: sdpa runs it (see _plans.py)
+        context, _ = BACKENDS["sdpa"].run(plan.call(query, key, value))
+        return like_layout(context, query)
     backend = arguments.pop("backend")
     call = make_call(query, key, value, **arguments)
+    if signature is not None and choose(call, backend) == "sdpa":
+        PLANS.keep(signature, call)
     context, weights = run_call(call, backend)
     context = like_layout(context, query)  # the query's memory layout, as torch's SDPA
     return (context, weights) if return_weights else context

@@ -157,11 +157,15 @@ def sdpa_trusted(
     all blocked). Then the tiled kernel redoes the call. A ``value`` is checked too (for an
     output computed from inputs whose NaN and ±inf were replaced by 0).
 
-    One reduction per tensor and one host synchronisation: a sum is finite only when every
-    entry is (a finite sum that overflows errs on the safe side).
+    On CPU, when no gradient follows (``grad`` False, ``out`` not recorded by autograd, no
+    ``value``), one look at ``out`` settles the usual call (:func:`_rows_alive`). Else, and
+    when that look fails, one reduction per tensor and one host synchronisation: a sum is
+    finite only when every entry is (a finite sum that overflows errs on the safe side).
     """
     from qkv.kernels._api import huge_bias
 
+    if not grad and value is None and _cpu_forward_only(out) and _rows_alive(out):
+        return True
     wide = torch.float64 if query.dtype == torch.float64 else torch.float32  # no overflow
     with torch.no_grad():  # a look at the values, no part of any gradient
         total = out.sum(dtype=wide) + query.sum(dtype=wide) + key.sum(dtype=wide)
@@ -170,6 +174,30 @@ def sdpa_trusted(
     if not math.isfinite(float(total)):  # NaN, ±inf or +inf − inf somewhere: not finite
         return False
     return not (grad and bias is not None and huge_bias(bias))
+
+
+def _cpu_forward_only(out: torch.Tensor) -> bool:
+    """Whether ``out`` is a CPU tensor that no gradient follows, outside torch.compile."""
+    return out.device.type == "cpu" and not out.requires_grad and not torch.compiler.is_compiling()
+
+
+def _rows_alive(out: torch.Tensor) -> bool:
+    """Whether the sum of every row of torch's output is finite and not zero: then no NaN
+    or ±inf of the inputs reached it and torch zeroed no row. One read of ``out``, just
+    written, where checking the inputs reads query, key and value again.
+
+    Why that suffices for a forward on CPU: torch's fused kernels err on such inputs in two
+    ways. A NaN or ±inf that enters a row's sum, from a live key or a masked-out one, makes
+    the row NaN or ±inf. A row whose scores are all NaN (a NaN in its query, or in every key
+    it sees) they take for a row with no allowed key, and give it zeros. A row whose sum is
+    zero or overflows for a lawful reason (a fully masked row, zero values) fails the look
+    too, and the caller's full check decides.
+    """
+    if out.numel() == 0:
+        return True
+    wide = torch.float64 if out.dtype == torch.float64 else torch.float32
+    low, high = out.sum(dim=-1, dtype=wide).abs().aminmax()
+    return float(low) > 0.0 and float(high) < math.inf
 
 
 def _nan_rows(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -187,6 +215,8 @@ def _nan_rows(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torc
     # On CPU a look costs no waiting: two sums, and the usual call (no NaN) returns torch's
     # output as it is, without the copy masked_fill makes of it.
     cpu = query.device.type == "cpu" and not torch.compiler.is_compiling()
+    if cpu and _cpu_forward_only(out) and _rows_alive(out):
+        return out
     if cpu and not bool(torch.isnan(query.sum() + key.sum())):
         return out
     batch, heads, q_len = query.shape[:3]

@@ -1,0 +1,111 @@
+"""Plans of plain PyTorch calls: what :func:`qkv.scaled_dot_product_attention` checked and
+chose for a call signature, kept so that the next call of that signature goes straight to
+torch's fused kernel.
+
+A plain call has PyTorch tensors (no subclass) and only options that are no array, function
+or random draw: no mask, bias, score modifier, sinks, dropout, weights, trace or tracing
+block, outside ``torch.compile``. Every check of such a call (``make_call``) and auto's
+choice (``choose``) depend on its signature alone:
+the shapes, dtypes, devices and gradient flags of query, key and value, the options and the
+requested backend. So the first call of a signature is checked and dispatched in full, and
+when sdpa ran it, its checked options are kept here; a later call with the same signature
+is the same call on other numbers. Only the look at torch's output (a NaN or ±inf reaching
+it) runs again, as it reads values.
+
+Why: after a large fused kernel the processor's caches hold its data, and the Python of a
+full check and dispatch then costs several hundred microseconds, 3-5 % of a forward at
+N = 1024 on a 2-core CPU (docs/benchmarks.md, "auto's cost").
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from qkv.attention._options import Call, Options
+
+__all__ = ["PLANS", "Plan", "plain_signature"]
+
+PLAN_LIMIT = 256
+"""Signatures kept at most (a model has a few: one per layer shape); beyond, the oldest go."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the checks made of a plain call's signature: all but its three tensors."""
+
+    library: str
+    xp: Any
+    lead: tuple[str, ...]
+    options: Options
+
+    def call(self, query: Any, key: Any, value: Any) -> Call:
+        """The checked call of this signature on these tensors."""
+        return Call(self.library, self.xp, query, key, value, self.lead, self.options)
+
+
+class Plans(dict[tuple[Any, ...], Plan]):
+    """Plans by signature, at most :data:`PLAN_LIMIT` (the oldest dropped first)."""
+
+    def keep(self, signature: tuple[Any, ...], call: Call) -> None:
+        if len(self) >= PLAN_LIMIT:
+            del self[next(iter(self))]
+        self[signature] = Plan(call.library, call.xp, call.lead, call.options)
+
+
+PLANS = Plans()
+
+
+def plain_signature(
+    query: Any, key: Any, value: Any, arguments: dict[str, Any], open_blocks: bool
+) -> tuple[Any, ...] | None:
+    """The signature of a plain call (module docstring), or None for any other call.
+
+    ``arguments``: the keyword arguments of :func:`qkv.scaled_dot_product_attention`;
+    ``open_blocks``: whether a tracing block is open (then the call is traced).
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or open_blocks:
+        return None
+    tensor = torch.Tensor
+    if type(query) is not tensor or type(key) is not tensor or type(value) is not tensor:
+        return None
+    a = arguments
+    if (
+        a["mask"] is not None
+        or a["bias"] is not None
+        or a["score_mod"] is not None
+        or a["sinks"] is not None
+        or a["generator"] is not None
+        or a["trace"] is not None
+        or a["return_weights"] is not False
+        or a["dropout_p"] != 0.0
+        or type(a["is_causal"]) is not bool
+        or type(a["enable_gqa"]) is not bool
+        or not (a["scale"] is None or type(a["scale"]) is float)
+        or type(a["causal_alignment"]) is not str
+        or type(a["backend"]) is not str
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    return (
+        query.shape,
+        key.shape,
+        value.shape,
+        query.dtype,
+        key.dtype,
+        value.dtype,
+        query.device,
+        key.device,
+        value.device,
+        query.requires_grad,
+        key.requires_grad,
+        value.requires_grad,
+        torch.is_grad_enabled(),
+        a["is_causal"],
+        a["causal_alignment"],
+        a["scale"],
+        a["enable_gqa"],
+        a["backend"],
+    )
