@@ -95,9 +95,12 @@ def test_a_small_run_prints_tables_that_fit_80_columns(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_suite.Settings, "quick_run", classmethod(lambda cls: TINY))
-    assert main(["bench", "--quick", "--only", "dense", "trace", "decode", "--no-write"]) == 0
+    sections = ["dense", "masks-bwd", "train", "trace", "decode"]
+    assert main(["bench", "--quick", "--only", *sections, "--no-write"]) == 0
     out = capsys.readouterr().out
     assert "Dense and causal forward" in out and "sdpa-flash" in out and "decode" in out
+    assert "qkv-auto (" in out and "naive-torch" in out  # which backend auto ran
+    assert "Training step" in out and "torch-mha-mask" in out and "qkv-padded" in out
     assert max(len(line) for line in out.splitlines()) <= 80
 
 
@@ -167,20 +170,35 @@ def _rows(key: str, case: str, tiled: float, peer: str, seconds: float) -> _suit
 
 def test_targets_are_read_from_the_ratios_of_the_same_run() -> None:
     masks = _rows("masks", "window", 0.9, "flex-compiled", 1.0)
+    masks.rows.append(_suite.Row("window", 4096, "qkv-auto", 0.8, 1e9))
     backward = _rows("backward", "causal", 1.2, "sdpa-flash", 1.0)
     targets = _suite.targets_table([masks, backward])
     assert targets is not None
     head, rows = _tables.cells(targets, rate=200.0)
     assert head == ["target", "N", "ratio", "goal", "met"]
     assert rows == [
-        ["window: tiled ÷ flex-compiled", "4096", "0.90", "≤ 1.00", "yes"],
+        ["window: auto ÷ flex-compiled", "4096", "0.80", "≤ 1.00", "yes"],
         ["causal fwd+bwd: tiled ÷ sdpa-flash", "4096", "1.20", "≤ 1.05", "no"],
     ]
-    dense = _suite.targets_table([_table()])  # the forward at N = 1024 against SDPA
-    assert dense is not None and _tables.cells(dense, 200.0)[1] == [
-        ["dense forward: tiled ÷ sdpa-flash", "1024", "1.20", "≤ 1.20", "yes"]
+    dense = _table()  # the forward at N = 1024: tiled against SDPA, auto against the faster
+    dense.rows.append(_suite.Row("dense", 1024, "qkv-auto", 0.0104, 2.0e9))
+    table = _suite.targets_table([dense])
+    assert table is not None and _tables.cells(table, 200.0)[1] == [
+        ["dense forward: tiled ÷ sdpa-flash", "1024", "1.20", "≤ 1.20", "yes"],
+        ["dense forward: auto ÷ best of sdpa, tiled", "1024", "1.04", "≤ 1.03", "no"],
     ]
     assert _suite.targets_table([_rows("decode", "decode", 1.0, "recompute", 1.0)]) is None
+
+
+def test_the_peer_column_names_the_backend_auto_ran() -> None:
+    table = _rows("masks-bwd", "documents", 0.5, "sdpa-dense-mask", 1.0)
+    auto = _suite.Row("documents", 4096, "qkv-auto", 0.4, 1e9, ran="flex")
+    auto.compile_seconds = 7.0
+    table.rows.append(auto)
+    head, rows = _tables.cells(table, rate=200.0)
+    assert head[2] == "peer" and head[-1] == "compile s"
+    assert [r[2] for r in rows] == ["sdpa-dense-mask", "tiled", "qkv-auto (flex)"]
+    assert rows[-1][-1] == "7.0" and rows[0][-1] == ""
 
 
 def test_masks_table_shows_compile_time_apart() -> None:

@@ -10,7 +10,9 @@ each repeat; the median of the repeats is kept).
   divided by the time, and as a share of the machine's own float32 matrix product rate,
   measured first (a 2048 × 2048 × 2048 product).
 
-Peers: the tiled kernel (``qkv.kernels.tiled_attention``); torch's SDPA with the CPU flash
+Peers: the tiled kernel (``qkv.kernels.tiled_attention``); ``qkv-auto``, the public
+``qkv.scaled_dot_product_attention`` with its default backend (what a user's call costs,
+dispatch and checks included); torch's SDPA with the CPU flash
 kernel and with the math kernel (``torch.nn.attention.sdpa_kernel``); naive attention that
 materialises softmax(Q·Kᵀ/√d)·V in PyTorch and in NumPy; FlexAttention in eager mode (no
 ``torch.compile``). Slow peers run only at the lengths where they finish in seconds. For the
@@ -34,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from qkv.attention import scaled_dot_product_attention
 from qkv.bench._results import Row
 from qkv.kernels import tiled_attention
 from qkv.kernels._flex_masks import flex_block_mask, raise_recompile_limits
@@ -153,6 +156,10 @@ def _tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> A
     return tiled_attention(q, k, v, is_causal=causal)
 
 
+def _auto(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Any:
+    return scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
 def compiled_flex() -> Callable[..., Any]:
     """torch's ``flex_attention`` under ``torch.compile`` (compiled on its first call), with
     room for a compilation per case, as FlexAttention's own benchmarks give it (past
@@ -167,6 +174,7 @@ def compiled_flex() -> Callable[..., Any]:
 PEERS: dict[str, tuple[Peer, int]] = {
     # name: (function, the longest sequence it runs at: the slow ones stop early)
     "tiled": (_tiled, 1 << 20),
+    "qkv-auto": (_auto, 1 << 20),  # what a user's call runs: qkv's public function
     "sdpa-flash": (sdpa_peer("flash"), 1 << 20),
     "sdpa-math": (sdpa_peer("math"), 4096),
     "naive-torch": (_naive_torch, 4096),

@@ -59,6 +59,7 @@ class Row:
     memory_ratio: float | None = None
     note: str = ""
     compile_seconds: float | None = None  # torch.compile's first call, apart from the time
+    ran: str = ""  # the backend qkv's auto ran (its rows only)
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qkv.attention import scaled_dot_product_attention
+from qkv.attention import explain_dispatch, scaled_dot_product_attention
 from qkv.bench._measure import (
     DIM,
     HEADS,
@@ -41,6 +41,7 @@ from qkv.bench._measure import (
 )
 from qkv.bench._memory import peak_memory
 from qkv.bench._results import Row, Settings, Table
+from qkv.bench._train_step import train_step_section
 from qkv.kernels import tiled_attention
 from qkv.masks import Mask, document, sliding_window
 from qkv.masks import causal as causal_rule
@@ -137,6 +138,13 @@ def _worker_masks(spec: dict[str, Any]) -> dict[str, Any]:
         def run() -> Any:
             return tiled_attention(q, k, v, mask=rule)
 
+    elif peer == "qkv-auto":
+
+        def run() -> Any:
+            return scaled_dot_product_attention(q, k, v, mask=rule)
+
+        compile_seconds = warm_auto(run)
+
     elif peer == "flex-compiled":
         block_mask = flex_block_mask(rule, torch_mask_mod(kind, length), length)
         flex = compiled_flex()
@@ -164,7 +172,27 @@ def _worker_masks(spec: dict[str, Any]) -> dict[str, Any]:
     added, _ = peak_memory(run)
     run()  # untimed, as the compiled peer's compiling call: the first calls settle memory
     times = [timed(run) for _ in range(max(repeats, 1))]
-    return {"seconds": statistics.median(times), "memory": added, "compile": compile_seconds}
+    ran = explain_dispatch(q, k, v, mask=rule).backend if peer == "qkv-auto" else ""
+    return {
+        "seconds": statistics.median(times),
+        "memory": added,
+        "compile": compile_seconds,
+        "ran": ran,
+    }
+
+
+def warm_auto(run: Callable[[], Any]) -> float | None:
+    """Call ``run`` (a qkv call with ``backend="auto"``) as a model's layers and steps call
+    it before it is timed: auto counts the calls of a rule and shape, compiles FlexAttention
+    on the :data:`~qkv.kernels._compiled_forward.REPEATS`-th and keeps the faster path at
+    the next. Returns the seconds its compilations took (None: nothing was compiled)."""
+    from qkv.kernels._compiled_forward import COMPILED, REPEATS
+
+    before = set(COMPILED.seconds)
+    for _ in range(REPEATS + 2):
+        run()
+    new = set(COMPILED.seconds) - before
+    return sum(COMPILED.seconds[key] for key in new) if new else None
 
 
 def _sdpa_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> Any:
@@ -189,7 +217,8 @@ def _warm_up() -> None:
 
 
 def _mask_peers(kind: str) -> tuple[str, ...]:
-    return ("tiled", "flex-compiled", "sdpa-flash" if kind == "causal" else "sdpa-dense-mask")
+    sdpa = "sdpa-flash" if kind == "causal" else "sdpa-dense-mask"
+    return ("tiled", "qkv-auto", "flex-compiled", sdpa)
 
 
 def masks_section(settings: Settings, tick: Callable[[], None]) -> Table:
@@ -202,7 +231,10 @@ def masks_section(settings: Settings, tick: Callable[[], None]) -> Table:
         "flex-compiled",
         note=(
             "ratio: time / flex-compiled time (torch.compile(flex_attention) with a BlockMask "
-            "of 128-blocks; its first call, compiling, is 'compile s', apart). "
+            "of 128-blocks; its first call, compiling, is 'compile s', apart). qkv-auto: "
+            "qkv.scaled_dot_product_attention(q, k, v, mask=rule), timed after the calls a "
+            "model's layers make first (auto compiles from the third; its compile s apart), "
+            "the backend it ran in brackets. "
             "sdpa-dense-mask: torch SDPA given the (N, N) boolean mask, built before the call; "
             "causal: SDPA's own causal kernel. peak MiB: memory the call adds. Window: w = "
             f"{WINDOW} keys; documents: {DOCUMENTS} causal documents packed in one row."
@@ -224,6 +256,7 @@ def masks_section(settings: Settings, tick: Callable[[], None]) -> Table:
                     note=result.get("error", ""),
                 )
                 row.compile_seconds = result.get("compile")
+                row.ran = result.get("ran", "")
                 table.rows.append(row)
                 tick()
     ratios(table.rows, "flex-compiled")
@@ -265,37 +298,170 @@ def backward_section(settings: Settings, tick: Callable[[], None]) -> Table:
     return table
 
 
-TARGETS: tuple[tuple[str, str, str, str, float], ...] = (
-    # (table, case, what it says, which lengths, goal): tiled's ratio in that table
-    ("masks", "window", "window: tiled ÷ flex-compiled", "mask", 1.0),
-    ("masks", "documents", "documents: tiled ÷ flex-compiled", "mask", 1.0),
-    ("masks", "causal", "causal: tiled ÷ flex-compiled", "mask", 1.0),
-    ("backward", "dense", "dense fwd+bwd: tiled ÷ sdpa-flash", "any", 1.05),
-    ("backward", "causal", "causal fwd+bwd: tiled ÷ sdpa-flash", "any", 1.05),
-    ("dense", "dense", "dense forward: tiled ÷ sdpa-flash", "1024", 1.2),
-    ("dense", "causal", "causal forward: tiled ÷ sdpa-flash", "1024", 1.2),
+TRAINED_MASKS = ("window", "documents")
+"""The structured masks of the forward + backward table (causal: the backward table)."""
+
+
+def masks_backward_section(settings: Settings, tick: Callable[[], None]) -> Table:
+    """Forward + backward with a sliding window and with documents: qkv (auto and the
+    tiled kernel) against what torch offers on CPU for a trained structured mask (its
+    FlexAttention refuses the backward there): SDPA with the dense mask, naive attention."""
+    length = settings.train_length
+    table = Table(
+        "masks-bwd",
+        f"Structured masks, forward + backward at N={length} (B=1, H=8, D=64)",
+        "sdpa-dense-mask",
+        note=(
+            "ratio: time / sdpa-dense-mask time (forward, then the gradients of q, k and v). "
+            "sdpa-dense-mask: torch SDPA given the (N, N) boolean mask, built before; "
+            "naive-torch: softmax(Q·Kᵀ/√d + mask)·V materialised. FlexAttention, eager or "
+            "compiled, has no backward on CPU. qkv-auto: timed after the calls a model "
+            "makes first (auto compiles the forward from the third; compile s apart)."
+        ),
+    )
+    q, k, v = (x.requires_grad_() for x in inputs(length))
+    grad = torch.randn(1, HEADS, length, DIM, generator=torch.Generator().manual_seed(1))
+    for kind in TRAINED_MASKS:
+        rule, allowed = _structured(kind, length)
+        dense = rule.dense(length, length, xp=_torch_namespace())
+
+        def train(forward: Callable[[], torch.Tensor]) -> Callable[[], Any]:
+            return lambda: torch.autograd.grad(forward(), (q, k, v), grad)
+
+        runs = {
+            "tiled": train(lambda: tiled_attention(q, k, v, mask=rule)),  # noqa: B023
+            "qkv-auto": train(lambda: scaled_dot_product_attention(q, k, v, mask=rule)),  # noqa: B023
+            "sdpa-dense-mask": train(lambda: _sdpa_masked(q, k, v, dense)),  # noqa: B023
+            "naive-torch": train(lambda: _naive_masked(q, k, v, dense)),  # noqa: B023
+        }
+        compile_seconds = warm_auto(runs["qkv-auto"])
+        seconds_of = medians(runs, settings.repeats)
+        ran = explain_dispatch(q, k, v, mask=rule).backend
+        for name, seconds in seconds_of.items():
+            row = Row(kind, length, name, seconds, 3.5 * forward_flops(length, length, allowed))
+            if name == "qkv-auto":
+                row.compile_seconds, row.ran = compile_seconds, ran
+            table.rows.append(row)
+        tick()
+    ratios(table.rows, "sdpa-dense-mask")
+    return table
+
+
+def _naive_masked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor
+) -> torch.Tensor:
+    scores = (q @ k.transpose(-1, -2)) / DIM**0.5  # (B, H, N, N)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+TARGETS: tuple[tuple[str, str, str, str, tuple[str, ...], str, float], ...] = (
+    # (table, case, what it says, peer, the peers it is held to, which lengths, goal): the
+    # peer's time over the fastest of the others, at the same case and length
+    ("masks", "window", "window: auto ÷ flex-compiled", "qkv-auto", ("flex-compiled",), "", 1.0),
+    (
+        "masks",
+        "documents",
+        "documents: auto ÷ flex-compiled",
+        "qkv-auto",
+        ("flex-compiled",),
+        "",
+        1.0,
+    ),
+    ("masks", "causal", "causal: auto ÷ flex-compiled", "qkv-auto", ("flex-compiled",), "", 1.0),
+    (
+        "masks-bwd",
+        "window",
+        "window fwd+bwd: auto ÷ best torch",
+        "qkv-auto",
+        ("sdpa-dense-mask", "naive-torch"),
+        "",
+        1.0,
+    ),
+    (
+        "masks-bwd",
+        "documents",
+        "documents fwd+bwd: auto ÷ best torch",
+        "qkv-auto",
+        ("sdpa-dense-mask", "naive-torch"),
+        "",
+        1.0,
+    ),
+    ("backward", "dense", "dense fwd+bwd: tiled ÷ sdpa-flash", "tiled", ("sdpa-flash",), "", 1.05),
+    (
+        "backward",
+        "causal",
+        "causal fwd+bwd: tiled ÷ sdpa-flash",
+        "tiled",
+        ("sdpa-flash",),
+        "",
+        1.05,
+    ),
+    ("dense", "dense", "dense forward: tiled ÷ sdpa-flash", "tiled", ("sdpa-flash",), "1024", 1.2),
+    (
+        "dense",
+        "causal",
+        "causal forward: tiled ÷ sdpa-flash",
+        "tiled",
+        ("sdpa-flash",),
+        "1024",
+        1.2,
+    ),
+    (
+        "dense",
+        "dense",
+        "dense forward: auto ÷ best of sdpa, tiled",
+        "qkv-auto",
+        ("sdpa-flash", "tiled"),
+        "1024",
+        1.03,
+    ),
+    (
+        "dense",
+        "causal",
+        "causal forward: auto ÷ best of sdpa, tiled",
+        "qkv-auto",
+        ("sdpa-flash", "tiled"),
+        "1024",
+        1.03,
+    ),
+    (
+        "train",
+        "documents",
+        "train step: packed ÷ best other",
+        "qkv-packed",
+        ("torch-mha-mask", "qkv-padded"),
+        "",
+        1.0,
+    ),
 )
 
 
 def targets_table(tables: Sequence[Table]) -> Table | None:
-    """The issue's performance targets, read from the ratios of this run's tables (None
+    """The issues' performance targets, read from the times of this run's tables (None
     when no table of this run has one)."""
     by_key = {t.key: t for t in tables}
     table = Table(
         "targets",
-        "Targets: the tiled kernel's time ratios in this run",
+        "Targets: time ratios in this run",
         "",
-        note="met: the ratio is at most the goal. Ratios of the tables above, same run.",
+        note=(
+            "ratio: the first peer's time over the fastest of the others named, same case "
+            "and length, same run. met: the ratio is at most the goal."
+        ),
     )
-    for key, case, what, lengths, goal in TARGETS:
+    for key, case, what, peer, others, length, goal in TARGETS:
         if key not in by_key:
             continue
-        for row in by_key[key].rows:
-            if row.case != case or row.peer != "tiled" or row.ratio is None:
+        rows = [r for r in by_key[key].rows if r.case == case and r.seconds is not None]
+        for row in rows:
+            if row.peer != peer or (length and str(row.length) != length):
                 continue
-            if lengths == "1024" and row.length != 1024:
+            held = [r.seconds for r in rows if r.peer in others and r.length == row.length]
+            if not held or row.seconds is None:
                 continue
-            target = Row(what, row.length, "tiled", row.seconds, ratio=row.ratio)
+            ratio = row.seconds / min(s for s in held if s is not None)
+            target = Row(what, row.length, peer, row.seconds, ratio=ratio)
             target.note = f"{goal:.2f}"
             table.rows.append(target)
     return table if table.rows else None
@@ -435,8 +601,10 @@ SECTIONS: dict[
 ] = {
     # name: (the section, how many progress ticks it makes)
     "dense": (dense_section, lambda s: 2 * len(s.lengths)),
-    "masks": (masks_section, lambda s: 3 * len(MASK_KINDS) * len(s.mask_lengths)),
+    "masks": (masks_section, lambda s: 4 * len(MASK_KINDS) * len(s.mask_lengths)),
     "backward": (backward_section, lambda s: 2),
+    "masks-bwd": (masks_backward_section, lambda s: len(TRAINED_MASKS)),
+    "train": (train_step_section, lambda s: 1),
     "long": (long_section, lambda s: 1),
     "trace": (trace_section, lambda s: 1),
     "decode": (decode_section, lambda s: 1),

@@ -303,12 +303,15 @@ COMMAND = Command(
     name="bench",
     summary="time the attention kernels against SDPA, FlexAttention and naive",
     description=(
-        "Measure qkv's tiled kernel against PyTorch's SDPA (flash and math kernels),\n"
-        "naive attention (PyTorch and NumPy), FlexAttention in eager mode and under\n"
-        "torch.compile (its compile time reported apart), in one run: dense and causal\n"
-        "forward, structured masks (causal, sliding window, documents) at N = 4096 and\n"
-        "16384 with peak memory, forward + backward against SDPA, a long forward +\n"
-        "backward, the cost of qkv's public entry, and one decoding step with a KV cache.\n"
+        "Measure qkv (its public call with backend auto, and the tiled kernel) against\n"
+        "PyTorch's SDPA (flash and math kernels), naive attention (PyTorch and NumPy),\n"
+        "FlexAttention in eager mode and under torch.compile (compile times apart), in\n"
+        "one run: dense and causal forward, structured masks (causal, sliding window,\n"
+        "documents) at N = 4096 and 16384 with peak memory, forward + backward against\n"
+        "SDPA, with structured masks, and the training step of a small transformer on\n"
+        "packed documents (against nn.MultiheadAttention with the dense mask and against\n"
+        "padding), a long forward + backward, the cost of qkv's public entry, and one\n"
+        "decoding step with a KV cache.\n"
         "Every figure is also a ratio to a peer measured in the same run, and a last\n"
         "table reads the performance targets from those ratios. The tables are printed\n"
         "and written into the benchmark section\n"
@@ -318,7 +321,8 @@ COMMAND = Command(
     examples=(
         ("qkv bench --quick", "short lengths, about 1.5 minutes; prints the tables only"),
         ("qkv bench", "the full run (B=1, H=8, D=64, N up to 32768): several minutes"),
-        ("qkv bench --only masks", "tiled against compiled FlexAttention and SDPA"),
+        ("qkv bench --only masks", "auto and tiled against compiled FlexAttention, SDPA"),
+        ("qkv bench --only masks-bwd train", "training with structured masks, packing"),
         ("qkv bench --only long --long-length 65536", "forward + backward at 65536 tokens"),
         ("qkv bench --only dense --lengths 1024 2048 4096", "one section, your lengths"),
         ("qkv bench --threads 2 --repeats 5", "two PyTorch threads, median of 5"),
