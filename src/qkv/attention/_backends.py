@@ -31,10 +31,10 @@ from qkv.masks import Mask
 __all__ = [
     "BACKENDS",
     "DENSE_MASK_LIMIT",
+    "MEMORY_FRACTION",
     "RULE_BLOCK",
     "RULE_MASK_LIMIT",
     "RULE_SKIPPED_SHARE",
-    "MEMORY_FRACTION",
     "Backend",
     "BackendName",
     "Call",
