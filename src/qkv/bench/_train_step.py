@@ -42,6 +42,8 @@ def _torch_model(blocks: nn.ModuleList) -> nn.ModuleList:
     copied from qkv's."""
     layers = nn.ModuleList()
     for block in blocks:
+        assert isinstance(block, TransformerBlock)
+        attn, mlp = block.attn, block.mlp
         layer = nn.TransformerEncoderLayer(
             EMBED,
             HEADS,
@@ -51,19 +53,15 @@ def _torch_model(blocks: nn.ModuleList) -> nn.ModuleList:
             batch_first=True,
             norm_first=True,
         )
-        attn = block.attn
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         with torch.no_grad():
-            layer.self_attn.in_proj_weight.copy_(
-                torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-            )
-            layer.self_attn.in_proj_bias.copy_(
-                torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
-            )
+            layer.self_attn.in_proj_weight.copy_(torch.cat([p.weight for p in projections]))
+            layer.self_attn.in_proj_bias.copy_(torch.cat([p.bias for p in projections]))
             layer.self_attn.out_proj.load_state_dict(attn.out_proj.state_dict())
             layer.norm1.load_state_dict(block.attn_norm.state_dict())
             layer.norm2.load_state_dict(block.mlp_norm.state_dict())
-            layer.linear1.load_state_dict(block.mlp[0].state_dict())
-            layer.linear2.load_state_dict(block.mlp[2].state_dict())
+            layer.linear1.load_state_dict(mlp[0].state_dict())
+            layer.linear2.load_state_dict(mlp[2].state_dict())
         layers.append(layer)
     return layers
 
