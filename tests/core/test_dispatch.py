@@ -234,3 +234,29 @@ def test_explain_verbose_in_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["explain", "--verbose", "--example", "two-heads"]) == 0
     err = capsys.readouterr().err
     assert err.startswith("backend: reference (asked: auto)") and "NumPy inputs" in err
+
+
+@pytest.mark.parametrize(
+    ("length", "rule", "backend"),
+    [
+        (512, "window", "sdpa"),  # SDPA with the dense mask is faster at this size
+        (1024, "window", "tiled"),  # half the blocks ruled out: the tiled kernel skips them
+        (1024, "documents", "tiled"),
+        (1024, "key padding", "sdpa"),  # a rule that skips nothing stays on SDPA
+    ],
+)
+def test_auto_leaves_sdpa_for_a_mask_rule_that_skips_blocks_on_cpu(
+    length: int, rule: str, backend: str
+) -> None:
+    """docs/decisions.md, "On CPU, auto leaves SDPA for a mask rule that skips blocks"."""
+    q = torch.zeros(1, 2, length, 16)
+    ids = np.repeat(np.arange(8), length // 8)
+    made = {
+        "window": masks.sliding_window(255),
+        "documents": masks.document(ids) & masks.causal(),
+        "key padding": masks.key_padding([length - 3]),
+    }[rule]
+    report = qkv.explain_dispatch(q, q, q, mask=made)
+    assert report.backend == backend
+    if backend == "tiled":
+        assert "rules out" in dict(report.reasons)["sdpa"]

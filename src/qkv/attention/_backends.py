@@ -185,7 +185,7 @@ def sdpa_static_refusal(call: Call, auto: bool) -> str | None:
         kind = "mask and bias" if bias is not None else "mask"
         return f"would need a dense {kind} array of {elements:,} elements"
     rule = options.mask
-    if isinstance(rule, Mask) and not on_cuda(call):
+    if isinstance(rule, Mask) and not on_cuda(call) and not _torch_causal(call, q4, k4):
         skipped = _skipped_share(rule, q4, k4)
         if skipped >= RULE_SKIPPED_SHARE:
             return (
@@ -193,6 +193,19 @@ def sdpa_static_refusal(call: Call, auto: bool) -> str | None:
                 "would compute every pair of its dense array, the tiled kernel skips them"
             )
     return None
+
+
+def _torch_causal(call: Call, q4: Any, k4: Any) -> bool:
+    """Whether torch runs the call's mask rule as its own ``is_causal`` (the rule is exactly
+    a causal rule that torch's top-left alignment expresses), with no mask array."""
+    from qkv.kernels._torch_sdpa import as_causal_flag, causal_kind
+
+    options = call.options
+    mask, is_causal, alignment = as_causal_flag(
+        options.mask, options.is_causal, options.causal_alignment
+    )
+    q_len, kv_len = int(q4.shape[-2]), int(k4.shape[-2])
+    return mask is None and causal_kind(is_causal, alignment, q_len, kv_len) != "rule"
 
 
 def _skipped_share(rule: Mask, q4: Any, k4: Any) -> float:
@@ -589,10 +602,14 @@ def _run_flex_eager_result(call: Call) -> tuple[Array, Array | None]:
         out = with_sinks(out.to(compute), lse.to(compute), sinks.to(compute))[0].to(q4.dtype)
     if options.masked or options.score_mod is not None or sinks is not None:
         # As for sdpa: a NaN or ±inf of a masked-out key must not reach the output (flex
-        # multiplies its zero weight by the value); one reduction and one host sync.
-        sums = (out.sum(), q4.sum(), k4.sum())
-        if not bool(torch.isfinite(torch.stack(sums)).all()):
-            return _run_tiled(call)
+        # multiplies its zero weight by the value). On CPU (no gradient here) a look at the
+        # output's rows first; else, and when that look fails, one reduction per tensor.
+        from qkv.kernels._torch_sdpa import cpu_forward_only, rows_alive
+
+        if not (cpu_forward_only(out) and rows_alive(out)):
+            sums = (out.sum(), q4.sum(), k4.sum())
+            if not bool(torch.isfinite(torch.stack(sums)).all()):
+                return _run_tiled(call)
     return three(out, call.lead), None
 
 

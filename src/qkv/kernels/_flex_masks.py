@@ -25,6 +25,7 @@ import hashlib
 import inspect
 import threading
 import types
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -401,9 +402,20 @@ def fingerprint(obj: object) -> Hashable:
     tensors and objects by identity (a rule that reads an object's attributes is keyed by the
     object: give a new rule when they change). A rule's own caches
     (:class:`qkv.masks.RuleCache`) are left out. An array that the rule reaches several
-    times (its query and key ids, views of one buffer) is hashed once per key.
+    times (its query and key ids, views of one buffer) is hashed once per key. A
+    :attr:`~qkv.masks.Mask.pure` rule (built-in rules and their combinations: they never
+    change) is hashed once while it lives, so a rule reused at every call costs one look-up.
     """
+    if isinstance(obj, Mask) and obj.pure:
+        found = _MASK_FINGERPRINTS.get(obj)
+        if found is None:
+            found = _fingerprint(obj, 0, {})
+            _MASK_FINGERPRINTS[obj] = found
+        return found
     return _fingerprint(obj, 0, {})
+
+
+_MASK_FINGERPRINTS: weakref.WeakKeyDictionary[Mask, Hashable] = weakref.WeakKeyDictionary()
 
 
 def _fingerprint(obj: object, depth: int, digests: dict[Hashable, bytes]) -> Hashable:

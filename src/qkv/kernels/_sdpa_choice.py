@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qkv.kernels._torch_sdpa import _causal_kind
+from qkv.kernels._torch_sdpa import as_causal_flag, causal_kind
 from qkv.masks import Mask
 
 __all__ = [
@@ -189,8 +189,9 @@ def torch_mask_stand_in(
     with a bias), or None. Mirrors :func:`qkv.kernels._torch_sdpa._torch_mask`."""
     q_len = int(query.shape[2])
     kv_len = int(key.shape[2])
+    mask, is_causal, alignment = as_causal_flag(mask, is_causal, alignment)
     dense = None if isinstance(mask, Mask) else mask
-    kind = _causal_kind(is_causal, alignment, q_len, kv_len)
+    kind = causal_kind(is_causal, alignment, q_len, kv_len)
     use_is_causal = kind == "top-left" and mask is None and bias is None
     needs_rule = (
         isinstance(mask, Mask) or kind == "rule" or (kind == "top-left" and not use_is_causal)

@@ -34,8 +34,12 @@ from qkv.masks import Mask, with_causal
 
 __all__ = [
     "TORCH_SDPA",
+    "as_causal_flag",
+    "causal_kind",
+    "cpu_forward_only",
     "dense_mask_elements",
     "evaluate_rule",
+    "rows_alive",
     "sdpa_attention",
     "sdpa_trusted",
 ]
@@ -48,7 +52,7 @@ TORCH_SDPA: Any = getattr(
 libraries and exporters do) must not send qkv's sdpa backend back into itself."""
 
 
-def _causal_kind(is_causal: bool, alignment: str, q_len: int, kv_len: int) -> str:
+def causal_kind(is_causal: bool, alignment: str, q_len: int, kv_len: int) -> str:
     """How torch can express the causal rule: "none" (not needed), "top-left" (its
     ``is_causal``) or "rule" (only as part of a dense mask)."""
     if not is_causal:
@@ -56,6 +60,24 @@ def _causal_kind(is_causal: bool, alignment: str, q_len: int, kv_len: int) -> st
     if alignment == "top-left" or q_len == kv_len:
         return "top-left"
     return "none" if q_len == 1 else "rule"  # bottom-right: one query sees every key
+
+
+def as_causal_flag(
+    mask: Mask | torch.Tensor | None, is_causal: bool, alignment: str
+) -> tuple[Mask | torch.Tensor | None, bool, str]:
+    """(mask, is_causal, alignment) with a mask that is exactly ``causal(a)`` given as
+    ``is_causal=True`` with alignment ``a`` (torch then runs its own causal kernel, with no
+    mask array); the same rule twice is one. Other masks come back as they are.
+
+    Example:
+        >>> from qkv import masks
+        >>> as_causal_flag(masks.causal("bottom-right"), False, "top-left")
+        (None, True, 'bottom-right')
+    """
+    alignment_of = getattr(mask, "causal_alignment", None)
+    if alignment_of is None or (is_causal and alignment != alignment_of):
+        return mask, is_causal, alignment
+    return None, True, alignment_of
 
 
 def dense_mask_elements(
@@ -74,7 +96,8 @@ def dense_mask_elements(
     unless a bias must be folded in.
     """
     q_len, kv_len = q_shape[-2], k_shape[-2]
-    kind = _causal_kind(is_causal, causal_alignment, q_len, kv_len)
+    mask, is_causal, causal_alignment = as_causal_flag(mask, is_causal, causal_alignment)
+    kind = causal_kind(is_causal, causal_alignment, q_len, kv_len)
     dense = None if isinstance(mask, Mask) else mask
     needs_rule = (
         isinstance(mask, Mask)
@@ -158,13 +181,13 @@ def sdpa_trusted(
     output computed from inputs whose NaN and ±inf were replaced by 0).
 
     On CPU, when no gradient follows (``grad`` False, ``out`` not recorded by autograd, no
-    ``value``), one look at ``out`` settles the usual call (:func:`_rows_alive`). Else, and
+    ``value``), one look at ``out`` settles the usual call (:func:`rows_alive`). Else, and
     when that look fails, one reduction per tensor and one host synchronisation: a sum is
     finite only when every entry is (a finite sum that overflows errs on the safe side).
     """
     from qkv.kernels._api import huge_bias
 
-    if not grad and value is None and _cpu_forward_only(out) and _rows_alive(out):
+    if not grad and value is None and cpu_forward_only(out) and rows_alive(out):
         return True
     wide = torch.float64 if query.dtype == torch.float64 else torch.float32  # no overflow
     with torch.no_grad():  # a look at the values, no part of any gradient
@@ -176,22 +199,23 @@ def sdpa_trusted(
     return not (grad and bias is not None and huge_bias(bias))
 
 
-def _cpu_forward_only(out: torch.Tensor) -> bool:
+def cpu_forward_only(out: torch.Tensor) -> bool:
     """Whether ``out`` is a CPU tensor that no gradient follows, outside torch.compile."""
     return out.device.type == "cpu" and not out.requires_grad and not torch.compiler.is_compiling()
 
 
-def _rows_alive(out: torch.Tensor) -> bool:
+def rows_alive(out: torch.Tensor) -> bool:
     """Whether the sum of every row of torch's output is finite and not zero: then no NaN
     or ±inf of the inputs reached it and torch zeroed no row. One read of ``out``, just
     written, where checking the inputs reads query, key and value again.
 
-    Why that suffices for a forward on CPU: torch's fused kernels err on such inputs in two
-    ways. A NaN or ±inf that enters a row's sum, from a live key or a masked-out one, makes
-    the row NaN or ±inf. A row whose scores are all NaN (a NaN in its query, or in every key
-    it sees) they take for a row with no allowed key, and give it zeros. A row whose sum is
-    zero or overflows for a lawful reason (a fully masked row, zero values) fails the look
-    too, and the caller's full check decides.
+    Why that suffices for a forward on CPU: torch's fused kernels (SDPA's, and compiled
+    FlexAttention's) err on such inputs in two ways. A NaN or ±inf that enters a row's sum,
+    from a live key or a masked-out one, makes the row NaN or ±inf. A row whose scores are
+    all NaN (a NaN in its query, or in every key it sees) they take for a row with no
+    allowed key, and give it zeros. A row whose sum is zero or overflows for a lawful reason
+    (a fully masked row, zero values) fails the look too, and the caller's full check
+    decides.
     """
     if out.numel() == 0:
         return True
@@ -215,7 +239,7 @@ def _nan_rows(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torc
     # On CPU a look costs no waiting: two sums, and the usual call (no NaN) returns torch's
     # output as it is, without the copy masked_fill makes of it.
     cpu = query.device.type == "cpu" and not torch.compiler.is_compiling()
-    if cpu and _cpu_forward_only(out) and _rows_alive(out):
+    if cpu and cpu_forward_only(out) and rows_alive(out):
         return out
     if cpu and not bool(torch.isnan(query.sum() + key.sum())):
         return out
@@ -239,9 +263,10 @@ def _torch_mask(
 ) -> tuple[torch.Tensor | None, bool]:
     """The ``attn_mask`` and ``is_causal`` that give torch's SDPA qkv's meaning."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
+    mask, is_causal, alignment = as_causal_flag(mask, is_causal, alignment)
     rule = mask if isinstance(mask, Mask) else None
     dense = None if isinstance(mask, Mask) else mask
-    kind = _causal_kind(is_causal, alignment, q_len, kv_len)
+    kind = causal_kind(is_causal, alignment, q_len, kv_len)
     use_is_causal = kind == "top-left" and rule is None and dense is None and bias is None
     rule = with_causal(
         rule, kind == "rule" or (kind == "top-left" and not use_is_causal), alignment

@@ -26,7 +26,9 @@ def full() -> Mask:
     def blocks(b: Any, h: Any, q0: Any, q1: Any, k0: Any, k1: Any, lq: int, lk: int) -> Any:
         return np.ones((1, 1, 1, 1), bool), np.ones((1, 1, 1, 1), bool)
 
-    return Mask(lambda b, h, q, kv, lq, lk, xp: (q >= 0) & (kv >= 0), "full()", blocks=blocks)
+    return Mask(
+        lambda b, h, q, kv, lq, lk, xp: (q >= 0) & (kv >= 0), "full()", blocks=blocks, pure=True
+    )
 
 
 def causal(alignment: Alignment = "top-left") -> Mask:
@@ -49,6 +51,8 @@ def causal(alignment: Alignment = "top-left") -> Mask:
         lambda b, h, q, kv, lq, lk, xp: kv <= q + diagonal_offset(alignment, lq, lk),
         f"causal({alignment!r})",
         blocks=blocks,
+        causal=alignment,
+        pure=True,
     )
 
 
@@ -109,7 +113,8 @@ def sliding_window(before: int, after: int = 0, *, alignment: Alignment = "top-l
         every = (k0 >= q1 - 1 + off - before) & (k1 - 1 <= q0 + off + after)
         return some, every
 
-    return Mask(rule, f"sliding_window({before}, {after}, alignment={alignment!r})", blocks=blocks)
+    description = f"sliding_window({before}, {after}, alignment={alignment!r})"
+    return Mask(rule, description, blocks=blocks, pure=True)
 
 
 def _per_batch_lengths(values: Sequence[int] | Array, what: str, example: str) -> list[int]:
@@ -171,7 +176,7 @@ def key_padding(lengths: Sequence[int] | Array) -> Mask:
 
     count = len(listed)
     per_batch = (("key_padding", f"{count} length{'' if count == 1 else 's'}", count),)
-    return Mask(rule, f"key_padding({listed})", blocks=blocks, per_batch=per_batch)
+    return Mask(rule, f"key_padding({listed})", blocks=blocks, per_batch=per_batch, pure=True)
 
 
 def prefix_lm(prefix: int | Sequence[int] | Array, *, alignment: Alignment = "top-left") -> Mask:
@@ -217,6 +222,7 @@ def prefix_lm(prefix: int | Sequence[int] | Array, *, alignment: Alignment = "to
         f"prefix_lm({shown}, alignment={alignment!r})",
         blocks=combined._blocks,
         per_batch=held if per_batch else (),
+        pure=True,
     )
 
 
@@ -285,7 +291,7 @@ def document(segment_ids: Sequence[int] | Array, kv_segment_ids: Any = None) -> 
     if q_ids.ndim == 2:
         rows = int(q_ids.shape[0])
         held = (("document", f"segment_ids for {rows} sequence{'' if rows == 1 else 's'}", rows),)
-    return Mask(rule, f"document({_ids_repr(q_ids)})", blocks=blocks, per_batch=held)
+    return Mask(rule, f"document({_ids_repr(q_ids)})", blocks=blocks, per_batch=held, pure=True)
 
 
 def _segment_ids(ids: Any, name: str) -> np.ndarray:
@@ -296,7 +302,7 @@ def _segment_ids(ids: Any, name: str) -> np.ndarray:
             f"shape {shape_str(array.shape)}. Hint: document([0, 0, 0, 1, 1]) packs a document "
             "of 3 tokens and one of 2."
         )
-    return array
+    return array.copy()  # the rule's own: a caller's array changed later changes nothing
 
 
 def _check_length(ids: np.ndarray, length: int, name: str, what: str) -> None:

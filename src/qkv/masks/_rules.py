@@ -49,6 +49,9 @@ class Mask:
         per_batch: for a rule made for a given batch size (one length per batch element):
             ``(what it holds, how many)`` pairs, e.g. ``(("key_padding", "3 lengths", 3),)``;
             :meth:`check_batch` refuses any other batch.
+        causal: for :func:`causal` only: its alignment (see :attr:`causal_alignment`).
+        pure: the rule reads only values qkv copied when it was made (the built-in rules
+            and their combinations), so it never changes (see :attr:`pure`).
     """
 
     def __init__(
@@ -59,8 +62,12 @@ class Mask:
         *,
         blocks: BlockRule | None = None,
         per_batch: tuple[tuple[str, str, int], ...] = (),
+        causal: str | None = None,
+        pure: bool = False,
     ) -> None:
         self._rule = rule
+        self._causal = causal  # the alignment when this is exactly causal(alignment)
+        self._pure = pure  # reads only what qkv copied when it was made: never changes
         self._description = description
         self._op = op  # "&" or "|" for a combination, None for a single rule
         self._blocks = blocks
@@ -102,6 +109,31 @@ class Mask:
                 )
 
     @property
+    def causal_alignment(self) -> str | None:
+        """The alignment when this mask is exactly ``causal(alignment)`` (a fused kernel's
+        own causal mode can run it, with no mask array), else None.
+
+        Example:
+            >>> from qkv.masks import causal, key_padding
+            >>> causal().causal_alignment, (causal() & key_padding([2])).causal_alignment
+            ('top-left', None)
+        """
+        return self._causal
+
+    @property
+    def pure(self) -> bool:
+        """Whether the rule reads only values qkv copied when it was made (built-in rules
+        and their combinations): it never changes, so caches may key it by identity. A
+        rule from :func:`from_function` may read a dictionary or a global that changes.
+
+        Example:
+            >>> from qkv.masks import causal, from_function
+            >>> causal().pure, from_function(lambda b, h, q, kv: q >= kv, "mine").pure
+            (True, False)
+        """
+        return self._pure
+
+    @property
     def knows_blocks(self) -> bool:
         """Whether the mask knows its block structure without evaluating elements."""
         return self._blocks is not None
@@ -135,7 +167,10 @@ class Mask:
             return some_a & some_b, every_a & every_b
 
         parts = self._per_batch + other._per_batch
-        return Mask(lambda *a: self(*a) & other(*a), text, "&", blocks=blocks, per_batch=parts)
+        pure = self._pure and other._pure
+        return Mask(
+            lambda *a: self(*a) & other(*a), text, "&", blocks=blocks, per_batch=parts, pure=pure
+        )
 
     def __or__(self, other: Mask) -> Mask:
         _check_mask(other, "|")
@@ -146,7 +181,10 @@ class Mask:
             return some_a | some_b, every_a | every_b
 
         parts = self._per_batch + other._per_batch
-        return Mask(lambda *a: self(*a) | other(*a), text, "|", blocks=blocks, per_batch=parts)
+        pure = self._pure and other._pure
+        return Mask(
+            lambda *a: self(*a) | other(*a), text, "|", blocks=blocks, per_batch=parts, pure=pure
+        )
 
     def __invert__(self) -> Mask:
         def blocks(*a: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -154,7 +192,9 @@ class Mask:
             return ~every, ~some
 
         text = f"~{_group(self, '~')}"
-        return Mask(lambda *a: ~self(*a), text, blocks=blocks, per_batch=self._per_batch)
+        return Mask(
+            lambda *a: ~self(*a), text, blocks=blocks, per_batch=self._per_batch, pure=self._pure
+        )
 
     def block_bounds(
         self,
