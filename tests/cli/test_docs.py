@@ -100,7 +100,7 @@ def test_benchmark_page_shows_the_tables_the_script_prints(
     finally:
         del sys.modules["bench_train_docs"]
     printed = capsys.readouterr().out.splitlines()
-    page = (DOCS / "benchmarks.md").read_text(encoding="utf-8").split("## Training", 1)[1]
+    page = (DOCS / "benchmarks.md").read_text(encoding="utf-8").split("\n## Training\n", 1)[1]
     lines = page.splitlines()
     kinds = ("###", "| steps", "| model", "|---")
     shown = [line for line in printed if line.startswith(kinds)]
