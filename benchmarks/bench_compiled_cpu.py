@@ -6,7 +6,9 @@ the tiled kernel and SDPA with a dense mask, measured in one run, interleaved.
 For each structured mask (a causal window of 512 keys; 16 causal documents packed in one
 row), B = 1, H = 8, D = 64, float32: the forward (no gradient) and the forward + backward,
 each peer timed once per round, rounds interleaved, the median printed with its ratio to
-the tiled kernel. The first call of each compiled path (its compile) is timed apart.
+the tiled kernel. The first call of each compiled path (its compile) is timed apart. The
+forward also times torch's own compiled FlexAttention given qkv's block mask
+(``torch-flex``: what ``flex`` and ``auto`` are held to).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import torch
 
 import qkv
 from qkv import masks
-from qkv.kernels._compiled_forward import COMPILED
+from qkv.bench._measure import compiled_flex, flex_block_mask
+from qkv.bench._suite import torch_mask_mod
+from qkv.kernels._compiled_forward import COMPILED, REPEATS, VERDICT_SAMPLES
 
 B, H, D = 1, 8, 64
 
@@ -40,7 +44,7 @@ def _timed(run: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def _peers(rule: masks.Mask, length: int, grad: bool) -> dict[str, Callable[[], Any]]:
+def _peers(kind: str, rule: masks.Mask, length: int, grad: bool) -> dict[str, Callable[[], Any]]:
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, H, length, D, generator=gen).requires_grad_(grad) for _ in range(3))
     dense = rule.dense(length, length, xp=_torch_xp())  # (1, 1, N, N), built before
@@ -60,7 +64,17 @@ def _peers(rule: masks.Mask, length: int, grad: bool) -> dict[str, Callable[[], 
             out.sum().backward()  # type: ignore[no-untyped-call]
         return out
 
-    return {"tiled": call("tiled"), "flex": call("flex"), "auto": call("auto"), "sdpa-dense": sdpa}
+    peers = {"tiled": call("tiled"), "flex": call("flex"), "auto": call("auto"), "sdpa-dense": sdpa}
+    if not grad:  # torch's own compiled FlexAttention, given qkv's block mask (no CPU backward)
+        mask_mod = torch_mask_mod("window" if kind == "window 512" else "documents", length)
+        block_mask = flex_block_mask(rule, mask_mod, length)
+        compiled = compiled_flex()
+
+        def torch_flex() -> Any:
+            return compiled(q, k, v, block_mask=block_mask)
+
+        peers["torch-flex"] = torch_flex
+    return peers
 
 
 def _torch_xp() -> Any:
@@ -79,12 +93,17 @@ def main() -> None:
     for kind in ("window 512", "16 documents"):
         rule = _rule(kind, args.length)
         for grad in (False, True):
-            peers = _peers(rule, args.length, grad)
+            peers = _peers(kind, rule, args.length, grad)
             compile_s: dict[str, float] = {}
-            for name, run in peers.items():  # first calls: compiles, and auto's repeats
+            for name, run in list(peers.items()):  # first calls: compiles, auto's repeats
                 before = dict(COMPILED.seconds)
-                for _ in range(4 if name == "auto" else 1):
-                    run()
+                try:
+                    for _ in range(REPEATS + VERDICT_SAMPLES + 1 if name == "auto" else 1):
+                        run()
+                except Exception as error:  # torch's own compile of a mask_mod can fail
+                    del peers[name]
+                    print(f"{kind:<14}{'forward':<9}{name:<12} failed: {str(error)[:60]}")
+                    continue
                 new = set(COMPILED.seconds) - set(before)
                 if new:
                     compile_s[name] = sum(COMPILED.seconds[key] for key in new)

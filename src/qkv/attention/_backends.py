@@ -412,7 +412,7 @@ def _cpu_auto_refusal(call: Call) -> str | None:
             flex_ms, tiled_ms = (1e3 * t for t in verdict)
             return (
                 f"measured slower here: {flex_ms:.1f} ms a forward against the tiled "
-                f"kernel's {tiled_ms:.1f} ms (timed once each, after compiling)"
+                f"kernel's {tiled_ms:.1f} ms (the best of 2 each, after compiling)"
             )
         return None if auto_compile_enabled() else f"{AUTO_COMPILE_VARIABLE}=0"
     seen = COMPILED.calls.get(key, 0)
@@ -493,8 +493,10 @@ def _run_flex(call: Call) -> tuple[Array, Array | None]:
 def _on_cpu(
     call: Call, run: Callable[[], tuple[Array, Array | None]]
 ) -> tuple[Array, Array | None]:
-    """The compiled path on CPU: its first call per key compiles (timed apart); its second is
-    timed against one forward of the tiled kernel (auto's verdict); a failure falls back."""
+    """The compiled path on CPU: its first call per key compiles (timed apart); the next
+    :data:`~qkv.kernels._compiled_forward.VERDICT_SAMPLES` are each timed against one
+    forward of the tiled kernel (auto's verdict: the faster of each's best); a failure falls
+    back."""
     import time
 
     from qkv.kernels._compiled_forward import COMPILED, timed
@@ -510,7 +512,7 @@ def _on_cpu(
         flex_seconds = time.perf_counter() - start
     except Exception as error:
         return _after_failure(call, error)
-    COMPILED.verdict[key] = (flex_seconds, _tiled_forward_seconds(call))
+    COMPILED.sample(key, flex_seconds, _tiled_forward_seconds(call))
     return result
 
 

@@ -184,12 +184,13 @@ def _worker_masks(spec: dict[str, Any]) -> dict[str, Any]:
 def warm_auto(run: Callable[[], Any]) -> float | None:
     """Call ``run`` (a qkv call with ``backend="auto"``) as a model's layers and steps call
     it before it is timed: auto counts the calls of a rule and shape, compiles FlexAttention
-    on the :data:`~qkv.kernels._compiled_forward.REPEATS`-th and keeps the faster path at
-    the next. Returns the seconds its compilations took (None: nothing was compiled)."""
-    from qkv.kernels._compiled_forward import COMPILED, REPEATS
+    on the :data:`~qkv.kernels._compiled_forward.REPEATS`-th and keeps the faster path
+    after timing the next few. Returns the seconds its compilations took (None: nothing was
+    compiled)."""
+    from qkv.kernels._compiled_forward import COMPILED, REPEATS, VERDICT_SAMPLES
 
     before = set(COMPILED.seconds)
-    for _ in range(REPEATS + 2):
+    for _ in range(REPEATS + VERDICT_SAMPLES + 1):
         run()
     new = set(COMPILED.seconds) - before
     return sum(COMPILED.seconds[key] for key in new) if new else None

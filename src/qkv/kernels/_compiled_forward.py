@@ -50,6 +50,7 @@ __all__ = [
     "COMPILED",
     "PROBE_SCORE",
     "REPEATS",
+    "VERDICT_SAMPLES",
     "CompiledRuns",
     "auto_compile_enabled",
     "compiled_attention",
@@ -68,6 +69,10 @@ _LOW, _HIGH = 1e-30, 1.0 - 1e-3  # o outside: float32 cannot resolve the row's l
 REPEATS = 3
 """``auto`` takes the compiled path on CPU from the REPEATS-th call with the same rule, score
 modifier, shapes and dtype (a model's layers and steps), never for a single call."""
+
+VERDICT_SAMPLES = 2
+"""How many calls after the compiling one are timed against the tiled kernel before auto
+decides between them for a rule and shape."""
 
 AUTO_COMPILE_VARIABLE = "QKV_AUTO_COMPILE"
 """Set to ``0`` to keep ``auto`` off the compiled path on CPU (the test suite does, but for
@@ -102,8 +107,9 @@ class CompiledRuns:
     """What the compiled CPU path has done in this process (safe across threads).
 
     ``seconds[key]``: how long the first call of ``key`` took (its compilation, mostly);
-    ``verdict[key]``: (compiled, tiled) seconds of one forward each, timed at the second
-    call (auto keeps off a key where the compiled one was slower); ``calls[key]``: how often
+    ``verdict[key]``: (compiled, tiled) seconds of a forward each, the best of the
+    :data:`VERDICT_SAMPLES` calls after the compiling one, each timed beside one tiled
+    forward (auto keeps off a key where the compiled one was slower); ``calls[key]``: how often
     ``auto`` was asked to run ``key``; ``failure``: why compiling failed (then auto stays on
     the tiled kernel, and said so once, as a warning).
     """
@@ -111,6 +117,7 @@ class CompiledRuns:
     def __init__(self) -> None:
         self.seconds: dict[Hashable, float] = {}
         self.verdict: dict[Hashable, tuple[float, float]] = {}
+        self._samples: dict[Hashable, list[tuple[float, float]]] = {}
         self.calls: Counter[Hashable] = Counter()
         self.failure: str | None = None
         self._lock = threading.Lock()
@@ -120,8 +127,20 @@ class CompiledRuns:
         with self._lock:
             self.seconds.clear()
             self.verdict.clear()
+            self._samples.clear()
             self.calls.clear()
             self.failure = None
+
+    def sample(self, key: Hashable, compiled: float, tiled: float) -> None:
+        """One more (compiled, tiled) timing of a forward of ``key``; the verdict is the
+        best of each once :data:`VERDICT_SAMPLES` are in (a single timing right after
+        compiling is often slow: caches, page faults)."""
+        with self._lock:
+            samples = self._samples.setdefault(key, [])
+            samples.append((compiled, tiled))
+            if len(samples) >= VERDICT_SAMPLES:
+                self.verdict[key] = (min(c for c, _ in samples), min(t for _, t in samples))
+                del self._samples[key]
 
     def count(self, key: Hashable) -> int:
         """One more auto call of ``key``; returns how many there have been."""
