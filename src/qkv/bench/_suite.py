@@ -5,7 +5,8 @@ How time, GFLOP/s and the peers are measured: :mod:`qkv.bench._measure`. Peak me
 resident memory a call adds at its peak, measured by the operating system in a fresh process
 (:mod:`qkv.bench._memory`: PyTorch's CPU allocations are invisible to ``tracemalloc``); the
 masks and long sections run their workers in a fresh Python process (``python -m
-qkv.bench._suite KIND SPEC``).
+qkv.bench._suite KIND SPEC``): the masks section times the peers of a case interleaved in
+one process and measures each one's memory in a process of its own.
 """
 
 from __future__ import annotations
@@ -125,60 +126,70 @@ def torch_mask_mod(kind: str, length: int) -> Callable[..., Any]:
     return lambda b, h, i, j: (ids[i] == ids[j]) & (i >= j)
 
 
-def _worker_masks(spec: dict[str, Any]) -> dict[str, Any]:
-    """In a fresh process: time and peak memory of one structured-mask case (for compiled
-    FlexAttention also the compile time: its first call, apart)."""
-    length, kind, peer, repeats = spec["length"], spec["kind"], spec["peer"], spec["repeats"]
-    q, k, v = inputs(length)
+def _mask_peer(
+    peer: str, kind: str, length: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[Callable[[], Any], float | None]:
+    """One peer of a structured-mask case, ready to time: (its call, the seconds its first
+    calls spent compiling, or None). Raises when compiled FlexAttention cannot compile."""
     rule, _ = _structured(kind, length)
-    compile_seconds = None
-    run: Callable[[], Any]
     if peer == "tiled":
+        return (lambda: tiled_attention(q, k, v, mask=rule)), None
+    if peer == "qkv-auto":
 
-        def run() -> Any:
-            return tiled_attention(q, k, v, mask=rule)
-
-    elif peer == "qkv-auto":
-
-        def run() -> Any:
+        def auto() -> Any:
             return scaled_dot_product_attention(q, k, v, mask=rule)
 
-        compile_seconds = warm_auto(run)
-
-    elif peer == "flex-compiled":
+        return auto, warm_auto(auto)
+    if peer == "flex-compiled":
         block_mask = flex_block_mask(rule, torch_mask_mod(kind, length), length)
         flex = compiled_flex()
-        try:
-            compile_seconds = timed(lambda: flex(q, k, v, block_mask=block_mask))
-        except Exception as error:  # no C++ compiler, an unsupported platform
-            why = (str(error).splitlines() or [type(error).__name__])[0][:200]
-            return {"seconds": None, "memory": None, "error": why}
 
         def run() -> Any:
             return flex(q, k, v, block_mask=block_mask)
 
-    elif peer == "sdpa-flash":  # causal: SDPA's own causal kernel, no mask
+        return run, timed(run)
+    if peer == "sdpa-flash":  # causal: SDPA's own causal kernel, no mask
+        return (lambda: sdpa_peer("flash")(q, k, v, True)), None
+    dense = rule.dense(length, length, xp=_torch_namespace())  # built before: its input
+    return (lambda: _sdpa_masked(q, k, v, dense)), None
 
-        def run() -> Any:
-            return sdpa_peer("flash")(q, k, v, True)
 
-    else:
-        dense = rule.dense(length, length, xp=_torch_namespace())  # built before: its input
+def _failure(error: Exception) -> str:
+    return (str(error).splitlines() or [type(error).__name__])[0][:200]
 
-        def run() -> Any:
-            return _sdpa_masked(q, k, v, dense)
 
+def _worker_masks(spec: dict[str, Any]) -> dict[str, Any]:
+    """In a fresh process: the peers of one structured-mask case, timed interleaved (each
+    repeat calls every peer once, so that a change of the machine's load hits all alike),
+    after their first calls (compiling, and auto's repeats: 'compile' apart)."""
+    length, kind, repeats = spec["length"], spec["kind"], spec["repeats"]
+    q, k, v = inputs(length)
+    runs: dict[str, Callable[[], Any]] = {}
+    compiled: dict[str, float | None] = {}
+    errors: dict[str, str] = {}
+    for peer in spec["peers"]:
+        try:
+            runs[peer], compiled[peer] = _mask_peer(peer, kind, length, q, k, v)
+        except Exception as error:  # no C++ compiler, an unsupported platform
+            errors[peer] = _failure(error)
+    seconds = medians(runs, max(repeats, 1))
+    rule, _ = _structured(kind, length)
+    ran = explain_dispatch(q, k, v, mask=rule).backend
+    return {"seconds": seconds, "compile": compiled, "errors": errors, "ran": ran}
+
+
+def _worker_mask_memory(spec: dict[str, Any]) -> dict[str, Any]:
+    """In a fresh process: the memory one peer's call adds at its peak (after its first
+    calls), where no other peer's allocations hide it."""
+    length, kind = spec["length"], spec["kind"]
+    q, k, v = inputs(length)
+    try:
+        run, _ = _mask_peer(spec["peer"], kind, length, q, k, v)
+    except Exception as error:
+        return {"memory": None, "error": _failure(error)}
     _warm_up()
     added, _ = peak_memory(run)
-    run()  # untimed, as the compiled peer's compiling call: the first calls settle memory
-    times = [timed(run) for _ in range(max(repeats, 1))]
-    ran = explain_dispatch(q, k, v, mask=rule).backend if peer == "qkv-auto" else ""
-    return {
-        "seconds": statistics.median(times),
-        "memory": added,
-        "compile": compile_seconds,
-        "ran": ran,
-    }
+    return {"memory": added}
 
 
 def warm_auto(run: Callable[[], Any]) -> float | None:
@@ -244,20 +255,22 @@ def masks_section(settings: Settings, tick: Callable[[], None]) -> Table:
     for length in lengths:
         for kind in MASK_KINDS:
             _, allowed = _structured(kind, length)
-            for peer in _mask_peers(kind):
-                spec = {"length": length, "kind": kind, "peer": peer, "repeats": settings.repeats}
-                result = _in_subprocess("masks", spec, settings)
+            peers = _mask_peers(kind)
+            case = {"length": length, "kind": kind, "repeats": settings.repeats}
+            timing = _in_subprocess("masks", {**case, "peers": peers}, settings)
+            for peer in peers:
+                memory = _in_subprocess("mask-memory", {**case, "peer": peer}, settings)
                 row = Row(
                     kind,
                     length,
                     peer,
-                    result["seconds"],
+                    timing["seconds"].get(peer),
                     forward_flops(length, length, allowed),
-                    result["memory"],
-                    note=result.get("error", ""),
+                    memory["memory"],
+                    note=timing["errors"].get(peer, ""),
                 )
-                row.compile_seconds = result.get("compile")
-                row.ran = result.get("ran", "")
+                row.compile_seconds = timing["compile"].get(peer)
+                row.ran = timing["ran"] if peer == "qkv-auto" else ""
                 table.rows.append(row)
                 tick()
     ratios(table.rows, "flex-compiled")
@@ -654,7 +667,11 @@ def _in_subprocess(kind: str, spec: dict[str, Any], settings: Settings) -> dict[
 def _main(argv: Sequence[str]) -> int:
     kind, spec = argv[0], json.loads(argv[1])
     torch.set_num_threads(int(spec.get("threads") or torch.get_num_threads()))
-    worker = {"masks": _worker_masks, "long": _worker_long}[kind]
+    worker = {
+        "masks": _worker_masks,
+        "mask-memory": _worker_mask_memory,
+        "long": _worker_long,
+    }[kind]
     print(json.dumps(worker(spec)))
     return 0
 
