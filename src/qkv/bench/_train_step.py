@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from qkv.bench._measure import medians
+from qkv.bench._measure import medians, ratios
 from qkv.bench._results import Row, Settings, Table
 from qkv.nn import TransformerBlock
 
@@ -132,7 +132,7 @@ def train_step_section(settings: Settings, tick: Callable[[], None]) -> Table:
         }
     if max(first.values()) - min(first.values()) > 1e-4 * max(abs(x) for x in first.values()):
         raise RuntimeError(f"the three models disagree before training: losses {first}")
-    for step in steps.values():  # auto compiles from the third call of a rule and shape
+    for step in steps.values():  # two calls a step: auto compiles and decides within these
         for _ in range(3):
             step()
     seconds_of = medians(steps, settings.repeats)
@@ -152,7 +152,6 @@ def train_step_section(settings: Settings, tick: Callable[[], None]) -> Table:
     )
     for name, seconds in seconds_of.items():
         table.rows.append(Row("documents", total, name, seconds))
-    for row in table.rows:
-        row.ratio = row.seconds / seconds_of["qkv-packed"] if row.seconds else None
+    ratios(table.rows, "qkv-packed")
     tick()
     return table
