@@ -37,6 +37,7 @@ from qkv.kernels._flex_masks import (
     BLOCK_MASKS,
     BLOCK_SIZE,
     CACHE_SIZE,
+    block_mask_of_kinds,
     compiled_flex,
     fingerprint,
     torch_mask_mod,
@@ -226,8 +227,6 @@ _PROBES = _ProbeMasks()
 
 def _probe_block_mask(rule: Mask | None, batch: int, heads: int, q_len: int, kv_len: int) -> Any:
     """The rule's BlockMask over Lk + 1 keys, the last (the probe) allowed for every query."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     block = BLOCK_SIZE
     if rule is None:
         kinds = torch.full((1, 1, -(-q_len // block), -(-kv_len // block)), FULL)
@@ -249,22 +248,7 @@ def _probe_block_mask(rule: Mask | None, batch: int, heads: int, q_len: int, kv_
             return probe | (kv_idx < kv_len)
         return probe | inner(b, h, q_idx, torch.clamp(kv_idx, max=top))
 
-    def ordered(kind: int) -> tuple[torch.Tensor, torch.Tensor]:
-        chosen = kinds == kind  # (B', H', nq, nk)
-        order = torch.argsort((~chosen).to(torch.int8), dim=-1, stable=True)
-        return chosen.sum(-1).to(torch.int32), order.to(torch.int32)
-
-    partial_num, partial_idx = ordered(PARTIAL)
-    full_num, full_idx = ordered(FULL)
-    return BlockMask.from_kv_blocks(
-        partial_num,
-        partial_idx,
-        full_num,
-        full_idx,
-        BLOCK_SIZE=block,
-        mask_mod=mask_mod,
-        seq_lengths=(q_len, kv_len + 1),
-    )
+    return block_mask_of_kinds(kinds, mask_mod, q_len, kv_len + 1, block=block)
 
 
 def _probe_score_mod(inner: Callable[..., Any] | None, kv_len: int) -> Callable[..., Any]:

@@ -41,6 +41,7 @@ __all__ = [
     "BLOCK_SIZE",
     "CACHE_SIZE",
     "BlockMaskCache",
+    "block_mask_of_kinds",
     "compiled_flex",
     "fingerprint",
     "flex_block_mask",
@@ -248,12 +249,26 @@ def flex_block_mask(
         >>> bm.to_dense()[0, 0].tolist()        # 2 × 2 blocks of 128: partial, empty, full
         [[1, 0], [1, 1]]
     """
-    from torch.nn.attention.flex_attention import BlockMask
-
     kv_len = q_len if kv_len is None else kv_len
     if mask_mod is None:
         mask_mod = torch_mask_mod(rule, q_len, kv_len, device=device)
     kinds = torch.tensor(rule.blocks(q_len, kv_len, block, block, batch=batch, heads=heads))
+    return block_mask_of_kinds(kinds, mask_mod, q_len, kv_len, block=block, device=device)
+
+
+def block_mask_of_kinds(
+    kinds: torch.Tensor,
+    mask_mod: MaskMod,
+    q_len: int,
+    kv_len: int,
+    *,
+    block: int = BLOCK_SIZE,
+    device: torch.device | str = "cpu",
+) -> Any:
+    """A torch ``BlockMask`` from a table of block kinds (B', H', nq, nk) of
+    :data:`~qkv.masks.EMPTY`, :data:`~qkv.masks.PARTIAL` and :data:`~qkv.masks.FULL`
+    (:meth:`qkv.masks.Mask.blocks`), with ``mask_mod`` for the partial blocks."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     def ordered(kind: int) -> tuple[torch.Tensor, torch.Tensor]:
         chosen = kinds == kind  # (B', H', nq, nk)
