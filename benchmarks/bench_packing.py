@@ -110,7 +110,7 @@ def overhead(rounds: int) -> None:
         def dispatch(causal: bool = causal) -> Any:
             return qkv.explain_dispatch(q, k, v, is_causal=causal)
 
-        medians = _interleaved({"sdpa": direct, "auto": auto}, rounds * 3)
+        medians = _interleaved({"sdpa": direct, "auto": auto}, rounds * 15)  # ~10 ms each
         decide = statistics.median(_timed(dispatch) for _ in range(200))
         ratio = medians["auto"] / medians["sdpa"]
         print(

@@ -22,6 +22,7 @@ import argparse
 import gc
 import os
 import sys
+import time
 from datetime import timedelta
 from typing import NoReturn
 
@@ -77,10 +78,20 @@ def train(
     return losses
 
 
+FAIL_GRACE = 10.0
+"""Seconds a rank other than 0 waits before it exits on a bad argument."""
+
+
 def fail(message: str) -> NoReturn:
-    """End this rank with exit status 2; rank 0 alone prints the one line."""
+    """End this rank with exit status 2; rank 0 alone prints the one line.
+
+    The other ranks wait a little first: torchrun stops every rank as soon as one fails,
+    and a rank that failed before rank 0 had printed would cut the line off.
+    """
     if os.environ.get("RANK", "0") == "0":
-        print(f"torchrun_ring.py: error: {message}", file=sys.stderr)
+        print(f"torchrun_ring.py: error: {message}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(FAIL_GRACE)  # torchrun ends this rank once rank 0 has exited
     sys.exit(2)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import doctest
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -217,3 +218,24 @@ def test_settings_measure_masks_at_4096_and_the_longest() -> None:
     assert _suite.Settings().mask_lengths == (4096, 16384)
     assert _suite.Settings.quick_run().mask_lengths == (4096,)
     assert TINY.mask_lengths == (512,)
+
+
+def test_a_budget_times_a_short_call_many_times_and_a_long_one_as_asked() -> None:
+    """`medians(..., budget=)`: a call far under the budget is timed MOST_REPEATS times (its
+    median is then one of many), a call over it `repeats` times; with no budget, `repeats`
+    (each after one untimed first call)."""
+    calls = {"short": 0, "long": 0}
+
+    def short() -> None:
+        calls["short"] += 1
+
+    def long() -> None:
+        calls["long"] += 1
+        time.sleep(0.02)
+
+    _measure.medians({"short": short}, 3, budget=1.0)
+    _measure.medians({"long": long}, 3, budget=0.01)
+    assert calls == {"short": 1 + _measure.MOST_REPEATS, "long": 1 + 3}
+    calls.update(short=0, long=0)
+    _measure.medians({"short": short, "long": long}, 3)
+    assert calls == {"short": 4, "long": 4}

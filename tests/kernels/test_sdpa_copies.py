@@ -1,6 +1,6 @@
 """The sdpa backend adds no copy of its output to a usual CPU call (issue 27 §2: auto's own
-cost per call): the NaN-row check looks at two sums first and leaves torch's output as it is
-when no query or key holds a NaN."""
+cost per call): the look at torch's output (its log-sum-exp, or two sums) leaves the output
+as it is when no input holds a NaN."""
 
 from __future__ import annotations
 
@@ -16,17 +16,22 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class _Outputs(TorchDispatchMode):
-    """The sizes (bytes) of the tensors each PyTorch operation in the block produced."""
+    """The sizes (bytes) of the memory each PyTorch operation in the block allocated: its
+    outputs' storages not seen before (a view of an output is no new memory)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.made: list[tuple[str, int]] = []
+        self._storages: set[int] = set()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         for tensor in out if isinstance(out, tuple | list) else (out,):
             if isinstance(tensor, torch.Tensor):
-                self.made.append((str(func), tensor.untyped_storage().nbytes()))
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in self._storages:
+                    self._storages.add(storage.data_ptr())
+                    self.made.append((str(func), storage.nbytes()))
         return out
 
 

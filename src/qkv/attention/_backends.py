@@ -240,12 +240,19 @@ def needs_grad(call: Call) -> bool:
 
 
 def sdpa_output(call: Call) -> Array:
-    """torch's fused kernel on the call, (B, H, Lq, Dv), unchecked: what :func:`_run_sdpa`
-    checks, and what a compiled graph runs (``_compiled.py``)."""
-    from qkv.kernels import sdpa_attention
+    """torch's fused kernel on the call, (B, H, Lq, Dv), unchecked: what a compiled graph
+    runs (``_compiled.py``)."""
+    return _sdpa_forward(call)[0]
+
+
+def _sdpa_forward(call: Call) -> tuple[Array, bool]:
+    """torch's fused kernel on the call, (B, H, Lq, Dv), and whether its output is known to
+    be the call's result (:func:`qkv.kernels._torch_sdpa.sdpa_forward`): else
+    :func:`_run_sdpa` checks it."""
+    from qkv.kernels._torch_sdpa import sdpa_forward
 
     options = call.options
-    out: Array = sdpa_attention(
+    found: tuple[Array, bool] = sdpa_forward(
         four(call.query, call.lead),
         four(call.key, call.lead),
         four(call.value, call.lead),
@@ -256,7 +263,7 @@ def sdpa_output(call: Call) -> Array:
         scale=options.scale,
         nan_rows=not sdpa_checked(call),  # else the check redoes any call with a NaN
     )
-    return out
+    return found
 
 
 def sdpa_checked(call: Call) -> bool:
@@ -275,11 +282,11 @@ def sdpa_trusted(out: Array, call: Call, *, grad: bool) -> bool:
 
 
 def _run_sdpa(call: Call) -> tuple[Array, Array | None]:
-    out = sdpa_output(call)
+    out, clean = _sdpa_forward(call)
     # torch lets a NaN or ±inf of a masked-out key reach every output (and its gradient), and
     # gives zeros to a row whose scores are all NaN; the tiled kernel keeps masked NaN out and
     # lets live NaN through. (A huge bias with a gradient was refused before: grad=False.)
-    if sdpa_checked(call) and not sdpa_trusted(out, call, grad=False):
+    if not clean and sdpa_checked(call) and not sdpa_trusted(out, call, grad=False):
         return _run_tiled(call)
     return three(out, call.lead), None
 

@@ -201,9 +201,10 @@ def _sdpa_choice(call: Call) -> Any:
 
 def _flex_notes(call: Call) -> list[str]:
     """What a flex run does besides the kernel: the block mask, compilation, the checks."""
-    from qkv.kernels._flex_masks import BLOCK_SIZE
+    from qkv.kernels._flex_masks import block_size_for
 
     options = call.options
+    block = block_size_for(call.query.device)
     notes = []
     rule = options.rule
     if rule is not None:
@@ -213,7 +214,7 @@ def _flex_notes(call: Call) -> list[str]:
             else "every block partial (the rule has no block hint)"
         )
         notes.append(
-            f"flex: block mask of {BLOCK_SIZE} × {BLOCK_SIZE} blocks {how}, cached per "
+            f"flex: block mask of {block} × {block} blocks {how}, cached per "
             "(rule, B, H, Lq, Lk, device)"
         )
     if _backends.on_cuda(call):
@@ -443,7 +444,9 @@ def scaled_dot_product_attention(
     signature = plain_signature(query, key, value, arguments, blocks_open())
     plan = None if signature is None else PLANS.get(signature)
     if plan is not None:  # checked and dispatched before: sdpa runs it (see _plans.py)
-        context, _ = BACKENDS["sdpa"].run(plan.call(query, key, value))
+        context = plan.clean_flash(query, key, value)
+        if context is None:
+            context, _ = BACKENDS["sdpa"].run(plan.call(query, key, value))
         return like_layout(context, query)
     backend = arguments.pop("backend")
     call = make_call(query, key, value, **arguments)

@@ -33,16 +33,34 @@ PLAN_LIMIT = 256
 
 @dataclass(frozen=True)
 class Plan:
-    """What the checks made of a plain call's signature: all but its three tensors."""
+    """What the checks made of a plain call's signature: all but its three tensors.
+
+    ``flash``: the ``is_causal`` flag of torch's CPU flash kernel where it runs these calls
+    and its log-sum-exp can vouch for the output
+    (:func:`qkv.kernels._torch_sdpa.flash_causal_flag`), else None.
+    """
 
     library: str
     xp: Any
     lead: tuple[str, ...]
     options: Options
+    flash: bool | None = None
 
     def call(self, query: Any, key: Any, value: Any) -> Call:
         """The checked call of this signature on these tensors."""
         return Call(self.library, self.xp, query, key, value, self.lead, self.options)
+
+    def clean_flash(self, query: Any, key: Any, value: Any) -> Any:
+        """The output of torch's CPU flash kernel on these tensors when its log-sum-exp
+        vouches for it (:func:`qkv.kernels._torch_sdpa.flash_forward`: no NaN or ±inf of
+        the inputs reached it), else None: then the usual path runs the call, checks
+        included (a NaN or ±inf in the inputs, rare, costs a second kernel call)."""
+        if self.flash is None:
+            return None
+        from qkv.kernels._torch_sdpa import flash_forward
+
+        found = flash_forward(query, key, value, is_causal=self.flash, scale=self.options.scale)
+        return found[0] if found is not None and found[1] else None
 
 
 class Plans(dict[tuple[Any, ...], Plan]):
@@ -51,7 +69,23 @@ class Plans(dict[tuple[Any, ...], Plan]):
     def keep(self, signature: tuple[Any, ...], call: Call) -> None:
         if len(self) >= PLAN_LIMIT:
             del self[next(iter(self))]
-        self[signature] = Plan(call.library, call.xp, call.lead, call.options)
+        self[signature] = Plan(call.library, call.xp, call.lead, call.options, _flash(call))
+
+
+def _flash(call: Call) -> bool | None:
+    """:attr:`Plan.flash` of a plain call that sdpa runs: (B, H, L, D) torch tensors."""
+    if call.library != "torch" or call.lead != ("batch", "head"):
+        return None
+    from qkv.kernels._torch_sdpa import flash_causal_flag
+
+    options = call.options
+    return flash_causal_flag(
+        call.query,
+        call.key,
+        call.value,
+        is_causal=options.is_causal,
+        alignment=options.causal_alignment,
+    )
 
 
 PLANS = Plans()

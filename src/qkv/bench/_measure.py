@@ -210,18 +210,28 @@ def timed(run: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def medians(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+MOST_REPEATS = 100
+"""The most timed calls of one run that :func:`medians`' ``budget`` asks for."""
+
+
+def medians(
+    runs: dict[str, Callable[[], Any]], repeats: int, *, budget: float = 0.0
+) -> dict[str, float]:
     """Median seconds of each run; the runs alternate within each repeat. A first call that
-    takes over a second counts as a repeat (no separate warm-up)."""
+    takes over a second counts as a repeat (no separate warm-up). ``budget``: a run is
+    timed more often, until its calls take about that many seconds (at most
+    :data:`MOST_REPEATS`), so that a few-millisecond call's median is one of many."""
     times: dict[str, list[float]] = {name: [] for name in runs}
+    wanted: dict[str, int] = {}
     for name, run in runs.items():
         first = timed(run)
         if first > 1.0:
             times[name].append(first)
-    for i in range(repeats):
+        wanted[name] = max(repeats, min(MOST_REPEATS, int(budget / max(first, 1e-9))))
+    for i in range(max(wanted.values(), default=0)):
         order = list(runs) if i % 2 == 0 else list(reversed(runs))
         for name in order:
-            if len(times[name]) < repeats:
+            if len(times[name]) < wanted[name]:
                 times[name].append(timed(runs[name]))
     return {name: statistics.median(values) for name, values in times.items()}
 

@@ -82,7 +82,9 @@ def dense_section(settings: Settings, tick: Callable[[], None]) -> Table:
                 for name, (fn, longest) in PEERS.items()
                 if length <= longest
             }
-            seconds_of = medians(runs, settings.repeats)
+            # One second of calls each: at N = 1024 a median of about a hundred, as auto's
+            # target there (1.03 × SDPA) is finer than a median of 3 can tell.
+            seconds_of = medians(runs, settings.repeats, budget=0.0 if settings.quick else 1.0)
             share = causal_share(length) if causal else 1.0
             for name, seconds in seconds_of.items():
                 flops = forward_flops(length, length, share)
@@ -175,7 +177,7 @@ def _worker_masks(spec: dict[str, Any]) -> dict[str, Any]:
         except Exception as error:  # no C++ compiler, an unsupported platform
             errors[peer] = _failure(error)
     runs = {peer: runs[peer] for peer in spec["peers"] if peer in runs}  # the table's order
-    seconds = medians(runs, max(repeats, 1))
+    seconds = medians(runs, max(repeats, 1), budget=spec.get("budget", 0.0))
     rule, _ = _structured(kind, length)
     ran = explain_dispatch(q, k, v, mask=rule).backend
     return {"seconds": seconds, "compile": compiled, "errors": errors, "ran": ran}
@@ -249,7 +251,7 @@ def masks_section(settings: Settings, tick: Callable[[], None]) -> Table:
             "of 128-blocks; its first call, compiling, is 'compile s', apart). qkv-auto: "
             "qkv.scaled_dot_product_attention(q, k, v, mask=rule), timed after the calls a "
             "model's layers make first (auto compiles from the third; its compile s apart), "
-            "the backend it ran in brackets. "
+            "the backend it ran in brackets (flex: qkv's BlockMask, of 64-blocks on CPU). "
             "sdpa-dense-mask: torch SDPA given the (N, N) boolean mask, built before the call; "
             "causal: SDPA's own causal kernel. peak MiB: memory the call adds. Window: w = "
             f"{WINDOW} keys; documents: {DOCUMENTS} causal documents packed in one row."
@@ -259,7 +261,13 @@ def masks_section(settings: Settings, tick: Callable[[], None]) -> Table:
         for kind in MASK_KINDS:
             _, allowed = _structured(kind, length)
             peers = _mask_peers(kind)
-            case = {"length": length, "kind": kind, "repeats": settings.repeats}
+            case = {
+                "length": length,
+                "kind": kind,
+                "repeats": settings.repeats,
+                # 3 s of calls per peer: a median of 9 at N = 16384, over 30 at 4096
+                "budget": 0.0 if settings.quick else 3.0,
+            }
             timing = _in_subprocess("masks", {**case, "peers": peers}, settings)
             for peer in peers:
                 memory = _in_subprocess("mask-memory", {**case, "peer": peer}, settings)

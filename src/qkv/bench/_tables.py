@@ -174,6 +174,9 @@ def _table_markdown(
     head, rows = cells(table, rate)
     repeats = max(settings.repeats, 9) if table.key == "trace" else settings.repeats
     runs = "one run" if table.key == "long" else f"median of {repeats}"
+    if table.key in ("dense", "masks") and not settings.quick:
+        budget = "a second" if table.key == "dense" else "3 s"
+        runs = f"median of {repeats} or more ({budget} of calls each, at most 100)"
     if table.key == "targets":
         runs = "ratios of the tables above"
     lines = [

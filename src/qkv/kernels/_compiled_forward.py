@@ -35,9 +35,9 @@ from qkv.kernels._api import captured_tensors, prepare, with_sinks
 from qkv.kernels._blockwise import Problem
 from qkv.kernels._flex_masks import (
     BLOCK_MASKS,
-    BLOCK_SIZE,
     CACHE_SIZE,
     block_mask_of_kinds,
+    block_size_for,
     compiled_flex,
     fingerprint,
     torch_mask_mod,
@@ -225,9 +225,11 @@ class _ProbeMasks:
 _PROBES = _ProbeMasks()
 
 
-def _probe_block_mask(rule: Mask | None, batch: int, heads: int, q_len: int, kv_len: int) -> Any:
-    """The rule's BlockMask over Lk + 1 keys, the last (the probe) allowed for every query."""
-    block = BLOCK_SIZE
+def _probe_block_mask(
+    rule: Mask | None, batch: int, heads: int, q_len: int, kv_len: int, block: int
+) -> Any:
+    """The rule's BlockMask of ``block``-blocks over Lk + 1 keys, the last (the probe)
+    allowed for every query."""
     if rule is None:
         kinds = torch.full((1, 1, -(-q_len // block), -(-kv_len // block)), FULL)
     else:
@@ -290,9 +292,10 @@ def forward_with_lse(
     batch, heads, q_len, d_k = (int(n) for n in q.shape)
     kv_heads, kv_len, d_v = int(k.shape[1]), int(k.shape[2]), int(v.shape[3])
     rule_key = fingerprint(rule)
+    block = block_size_for(q.device)
     block_mask = _PROBES.get(
-        ("mask", rule_key, batch, heads, q_len, kv_len),
-        lambda: _probe_block_mask(rule, batch, heads, q_len, kv_len),
+        ("mask", rule_key, batch, heads, q_len, kv_len, block),
+        lambda: _probe_block_mask(rule, batch, heads, q_len, kv_len, block),
     )
     inner = BLOCK_MASKS.score_mod(score_mod, q_len, kv_len, None, device=q.device, dtype=q.dtype)
     modifier = _PROBES.get(

@@ -40,8 +40,10 @@ __all__ = [
     "BLOCK_MASKS",
     "BLOCK_SIZE",
     "CACHE_SIZE",
+    "CPU_BLOCK_SIZE",
     "BlockMaskCache",
     "block_mask_of_kinds",
+    "block_size_for",
     "compiled_flex",
     "fingerprint",
     "flex_block_mask",
@@ -52,7 +54,25 @@ __all__ = [
 ]
 
 BLOCK_SIZE = 128
-"""FlexAttention's block (queries × keys) for the block masks built here (torch's default)."""
+"""FlexAttention's block (queries × keys) for the block masks built here on CUDA (torch's
+default)."""
+
+CPU_BLOCK_SIZE = 64
+"""The block on CPU. There it is also the compiled kernel's tile (torch's C++ template takes
+the BlockMask's block sizes as its query and key split sizes), and 64 × 64 was the fastest of
+the sizes measured (docs/decisions.md, "FlexAttention on CPU uses 64-blocks")."""
+
+
+def block_size_for(device: torch.device | str) -> int:
+    """The block of the BlockMasks qkv builds for ``device``: :data:`CPU_BLOCK_SIZE` on CPU,
+    else :data:`BLOCK_SIZE`.
+
+    Example:
+        >>> block_size_for("cpu"), block_size_for("cuda")
+        (64, 128)
+    """
+    return CPU_BLOCK_SIZE if torch.device(device).type == "cpu" else BLOCK_SIZE
+
 
 CACHE_SIZE = 32
 """How many block masks (and score_mod functions) :data:`BLOCK_MASKS` keeps."""
@@ -331,13 +351,15 @@ class BlockMaskCache:
         kv_len: int,
         device: torch.device | str,
         key: Hashable | None = None,
-        block: int = BLOCK_SIZE,
+        block: int | None = None,
     ) -> Any:
-        """The ``BlockMask`` of ``rule`` for (B, H, Lq, Lk) on ``device``, built once.
+        """The ``BlockMask`` of ``rule`` for (B, H, Lq, Lk) on ``device``, built once, of
+        ``block``-blocks (default: :func:`block_size_for` the device).
 
         The rule is keyed by its :func:`fingerprint` (an equal rule made anew at each step
         finds the same BlockMask), or by ``key`` when given.
         """
+        block = block_size_for(device) if block is None else block
         rule_key = fingerprint(rule) if key is None else key
         full_key = (rule_key, batch, heads, q_len, kv_len, str(device), block)
         with self._lock:

@@ -23,6 +23,7 @@ torch's function is bound once, at import (:data:`TORCH_SDPA`), so that replacin
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -39,8 +40,12 @@ __all__ = [
     "cpu_forward_only",
     "dense_mask_elements",
     "evaluate_rule",
+    "flash_applies",
+    "flash_causal_flag",
+    "flash_forward",
     "rows_alive",
     "sdpa_attention",
+    "sdpa_forward",
     "sdpa_trusted",
 ]
 
@@ -148,20 +153,154 @@ def sdpa_attention(
         tensor([[1.0000, 0.0000],
                 [0.3302, 0.6698]])
     """
+    out, _ = sdpa_forward(
+        query,
+        key,
+        value,
+        mask=mask,
+        bias=bias,
+        is_causal=is_causal,
+        causal_alignment=causal_alignment,
+        scale=scale,
+        nan_rows=nan_rows,
+    )
+    return out
+
+
+def sdpa_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    mask: Mask | torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top-left",
+    scale: float | None = None,
+    nan_rows: bool = True,
+) -> tuple[torch.Tensor, bool]:
+    """:func:`sdpa_attention` (same arguments), and whether its output is known to be qkv's
+    result already: then the caller's look for a NaN or ±inf (:func:`sdpa_trusted`) has
+    nothing to find. That is so where torch's CPU flash kernel ran and its log-sum-exp
+    vouches for the inputs (:func:`flash_forward`), and where ``nan_rows`` fixed the output.
+
+    Example:
+        >>> q = k = v = torch.ones(1, 1, 16, 4)
+        >>> out, clean = sdpa_forward(q, k, v, is_causal=True)
+        >>> clean, out[0, 0, 0].tolist()
+        (True, [1.0, 1.0, 1.0, 1.0])
+    """
     attn_mask, use_is_causal = _torch_mask(
         query, key, mask=mask, bias=bias, is_causal=is_causal, alignment=causal_alignment
     )
     enable_gqa = query.shape[1] != key.shape[1]
-    out: torch.Tensor = TORCH_SDPA(
-        query,
-        key,
-        value,
-        attn_mask=attn_mask,
-        is_causal=use_is_causal,
-        scale=scale,
-        enable_gqa=enable_gqa,
+    found = None
+    if attn_mask is None and flash_applies(query, key, value, is_causal=use_is_causal):
+        found = flash_forward(query, key, value, is_causal=use_is_causal, scale=scale)
+        if found is not None and found[1]:
+            return found
+    if found is not None:
+        out = found[0]  # torch's very output: a NaN or ±inf reached it, the checks decide
+    else:
+        out = TORCH_SDPA(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            is_causal=use_is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
+    if nan_rows and attn_mask is None:
+        return _nan_rows(out, query, key), True
+    return out, False
+
+
+FLASH_LSE_KEYS = 16
+"""From this many keys on, torch's CPU flash kernel gives a row whose scores are all NaN a
+NaN log-sum-exp. With fewer (under one vector of float32), it gives such a row zeros and a
+log-sum-exp of 0 (measured on torch 2.13, float32, float64 and bfloat16; a test checks it)."""
+
+_FLASH = 1
+"""``torch._fused_sdp_choice``'s number for the flash kernel (``SDPBackend.FLASH_ATTENTION``)."""
+
+
+def flash_applies(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, is_causal: bool
+) -> bool:
+    """Whether :func:`flash_forward` may vouch for a call with no mask array (torch's
+    ``is_causal`` flag given): CPU, (B, H, L, D) with as many key as query heads, at least
+    :data:`FLASH_LSE_KEYS` keys, a last query row that sees every key (no causal rule, or
+    Lq ≥ Lk), and no gradient to record. It depends on shapes, devices and flags alone."""
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    wants_grad = query.requires_grad or key.requires_grad or value.requires_grad
+    return (
+        query.device.type == "cpu"
+        and query.ndim == 4
+        and query.shape[1] == key.shape[1]
+        and kv_len >= FLASH_LSE_KEYS
+        and not (is_causal and q_len < kv_len)
+        and not (wants_grad and torch.is_grad_enabled())
+        and _has_flash_lse()
     )
-    return _nan_rows(out, query, key) if nan_rows and attn_mask is None else out
+
+
+def flash_causal_flag(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, is_causal: bool, alignment: str
+) -> bool | None:
+    """For a call with no mask and no bias: the ``is_causal`` torch's CPU flash kernel runs
+    it with, where :func:`flash_applies` (and so for every call of its shapes, dtypes and
+    flags); else None."""
+    kind = causal_kind(is_causal, alignment, query.shape[-2], key.shape[-2])
+    flag = kind == "top-left"
+    if kind == "rule" or not flash_applies(query, key, value, is_causal=flag):
+        return None
+    return flag
+
+
+def flash_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    is_causal: bool,
+    scale: float | None,
+) -> tuple[torch.Tensor, bool] | None:
+    """torch's CPU flash kernel with its log-sum-exp on a call where :func:`flash_applies`,
+    when ``scaled_dot_product_attention`` would run that very kernel (outside
+    torch.compile, its backend choice): (its output, bit for bit SDPA's, and whether it is
+    clean); else None.
+
+    Clean means no NaN or ±inf of the inputs reached the output, proven by one look at
+    (B, H, Lq + Dv) numbers instead of the (B, H, Lq, Dv) output:
+
+    - every row's log-sum-exp is finite, so no NaN or ±inf entered any row's scores (with
+      at least :data:`FLASH_LSE_KEYS` keys, a row of NaN scores has a NaN log-sum-exp);
+    - the last row of the output is finite. That row weighs every key, and the kernel
+      multiplies each weight, 0 included, by its value: a NaN or ±inf in any value would
+      make it NaN or ±inf. Its log-sum-exp, finite, also vouches for every key.
+
+    So the inputs are finite where torch reads them, and torch's kernel computes qkv's
+    function. A finite input whose scores overflow fails the look and goes to the full
+    check, as does anything else this cannot vouch for.
+    """
+    if (
+        torch.compiler.is_compiling()
+        or torch._fused_sdp_choice(query, key, value, None, 0.0, is_causal, scale=scale) != _FLASH
+    ):
+        return None
+    out, lse = torch._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, is_causal, scale=scale
+    )
+    return out, math.isfinite(float(lse.sum() + out[..., -1, :].sum()))
+
+
+@functools.cache
+def _has_flash_lse() -> bool:
+    """Whether this torch has the CPU flash kernel's own entry and its backend choice."""
+    return hasattr(torch, "_fused_sdp_choice") and hasattr(
+        torch, "_scaled_dot_product_flash_attention_for_cpu"
+    )
 
 
 def sdpa_trusted(
