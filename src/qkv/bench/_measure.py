@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from qkv.attention import scaled_dot_product_attention
-from qkv.bench._results import Row
+from qkv.bench._results import MOST_REPEATS, Row
 from qkv.kernels import tiled_attention
 from qkv.kernels._flex_masks import flex_block_mask, raise_recompile_limits
 
@@ -208,10 +208,6 @@ def timed(run: Callable[[], Any]) -> float:
     start = time.perf_counter()
     run()
     return time.perf_counter() - start
-
-
-MOST_REPEATS = 100
-"""The most timed calls of one run that :func:`medians`' ``budget`` asks for."""
 
 
 def medians(

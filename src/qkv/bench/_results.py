@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Row", "Settings", "Table"]
+__all__ = ["MOST_REPEATS", "Row", "Settings", "Table"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,23 @@ class Settings:
             ((4096, 16384), (4096,))
         """
         return tuple(sorted({min(4096, self.mask_length), self.mask_length}))
+
+    def budget(self, section: str) -> float:
+        """Seconds of calls each peer of ``section`` is timed for, past its repeats
+        (``_measure.medians``): 1 for ``dense``, 3 for ``masks`` (whose targets are finer
+        than a median of 3 can tell on a shared machine), 0 otherwise and in a quick run.
+
+        Example:
+            >>> Settings().budget("masks"), Settings.quick_run().budget("masks")
+            (3.0, 0.0)
+        """
+        return 0.0 if self.quick else _BUDGETS.get(section, 0.0)
+
+
+_BUDGETS = {"dense": 1.0, "masks": 3.0}
+
+MOST_REPEATS = 100
+"""The most timed calls of one peer that a budget asks for (``_measure.medians``)."""
 
 
 @dataclass

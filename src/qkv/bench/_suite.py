@@ -82,9 +82,8 @@ def dense_section(settings: Settings, tick: Callable[[], None]) -> Table:
                 for name, (fn, longest) in PEERS.items()
                 if length <= longest
             }
-            # One second of calls each: at N = 1024 a median of about a hundred, as auto's
-            # target there (1.03 × SDPA) is finer than a median of 3 can tell.
-            seconds_of = medians(runs, settings.repeats, budget=0.0 if settings.quick else 1.0)
+            # at N = 1024 a median of about a hundred: auto's target there is 1.03 × SDPA
+            seconds_of = medians(runs, settings.repeats, budget=settings.budget("dense"))
             share = causal_share(length) if causal else 1.0
             for name, seconds in seconds_of.items():
                 flops = forward_flops(length, length, share)
@@ -265,8 +264,7 @@ def masks_section(settings: Settings, tick: Callable[[], None]) -> Table:
                 "length": length,
                 "kind": kind,
                 "repeats": settings.repeats,
-                # 3 s of calls per peer: a median of 9 at N = 16384, over 30 at 4096
-                "budget": 0.0 if settings.quick else 3.0,
+                "budget": settings.budget("masks"),  # a median of 9 at N = 16384
             }
             timing = _in_subprocess("masks", {**case, "peers": peers}, settings)
             for peer in peers:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from qkv.bench._results import Settings, Table
+from qkv.bench._results import MOST_REPEATS, Settings, Table
 
 __all__ = [
     "END",
@@ -174,9 +174,9 @@ def _table_markdown(
     head, rows = cells(table, rate)
     repeats = max(settings.repeats, 9) if table.key == "trace" else settings.repeats
     runs = "one run" if table.key == "long" else f"median of {repeats}"
-    if table.key in ("dense", "masks") and not settings.quick:
-        budget = "a second" if table.key == "dense" else "3 s"
-        runs = f"median of {repeats} or more ({budget} of calls each, at most 100)"
+    budget = settings.budget(table.key)
+    if budget:
+        runs = f"median of {repeats} or more ({budget:g} s of calls each, at most {MOST_REPEATS})"
     if table.key == "targets":
         runs = "ratios of the tables above"
     lines = [
