@@ -38,6 +38,9 @@ class EditSite:
         weight_rows: ``weight_rows(heads, rows)``: the exact weights of those query heads
             and query rows, (B, len(heads), len(rows), Lk), computed on the reference for
             those rows only.
+        first_key: the sequence position of key 0: 0, or the tokens a windowed cache has let
+            go (decoding with ``KVCache(max_length=W)``). The queries' positions count from
+            it too.
     """
 
     module: object
@@ -48,6 +51,7 @@ class EditSite:
     weights: Any
     queries_last: bool
     weight_rows: Callable[[list[int], list[int]], Any]
+    first_key: int = 0
 
 
 Editor = Callable[[EditSite], tuple[Any, Any]]

@@ -21,14 +21,39 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from qkv.attention._options import Call, Options
 
-__all__ = ["PLANS", "Plan", "plain_signature"]
+__all__ = ["PLANS", "Plan", "PlanKey", "plain_signature"]
 
 PLAN_LIMIT = 256
 """Signatures kept at most (a model has a few: one per layer shape); beyond, the oldest go."""
+
+
+class PlanKey(NamedTuple):
+    """The signature of a plain call: everything its checks and auto's choice read. Each
+    field is one fact of the call; two calls that differ in any of them get two plans
+    (``tests/core/test_plan_key.py`` changes each field in turn)."""
+
+    query_shape: Any
+    key_shape: Any
+    value_shape: Any
+    query_dtype: Any
+    key_dtype: Any
+    value_dtype: Any
+    query_device: Any
+    key_device: Any
+    value_device: Any
+    query_grad: bool
+    key_grad: bool
+    value_grad: bool
+    grad_mode: bool
+    is_causal: bool
+    causal_alignment: str
+    scale: float | None
+    enable_gqa: bool
+    backend: str
 
 
 @dataclass(frozen=True)
@@ -63,10 +88,10 @@ class Plan:
         return found[0] if found is not None and found[1] else None
 
 
-class Plans(dict[tuple[Any, ...], Plan]):
+class Plans(dict[PlanKey, Plan]):
     """Plans by signature, at most :data:`PLAN_LIMIT` (the oldest dropped first)."""
 
-    def keep(self, signature: tuple[Any, ...], call: Call) -> None:
+    def keep(self, signature: PlanKey, call: Call) -> None:
         if len(self) >= PLAN_LIMIT:
             del self[next(iter(self))]
         self[signature] = Plan(call.library, call.xp, call.lead, call.options, _flash(call))
@@ -93,7 +118,7 @@ PLANS = Plans()
 
 def plain_signature(
     query: Any, key: Any, value: Any, arguments: dict[str, Any], open_blocks: bool
-) -> tuple[Any, ...] | None:
+) -> PlanKey | None:
     """The signature of a plain call (module docstring), or None for any other call.
 
     ``arguments``: the keyword arguments of :func:`qkv.scaled_dot_product_attention`;
@@ -123,7 +148,7 @@ def plain_signature(
         or torch.compiler.is_compiling()
     ):
         return None
-    return (
+    return PlanKey(
         query.shape,
         key.shape,
         value.shape,

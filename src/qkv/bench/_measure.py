@@ -30,7 +30,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,16 +47,19 @@ __all__ = [
     "PEERS",
     "Inputs",
     "Peer",
+    "Timings",
     "causal_share",
     "compiled_flex",
     "flex_block_mask",
     "forward_flops",
     "gemm_rate",
     "inputs",
+    "load_average",
     "machine",
     "medians",
     "ratios",
     "sdpa_peer",
+    "spread",
     "timed",
 ]
 
@@ -85,6 +88,15 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "system": f"{platform.system()} {platform.release()}",
     }
+
+
+def load_average() -> float | None:
+    """The machine's 1-minute load average (runnable processes, ours included), or None
+    where the system does not say."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
 
 
 def gemm_rate(repeats: int = 5) -> float:
@@ -210,13 +222,34 @@ def timed(run: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def medians(
-    runs: dict[str, Callable[[], Any]], repeats: int, *, budget: float = 0.0
-) -> dict[str, float]:
+class Timings(dict[str, float]):
+    """Median seconds by run, with ``spreads``: how far each run's repeats scatter."""
+
+    def __init__(self, medians: dict[str, float], spreads: dict[str, float]) -> None:
+        super().__init__(medians)
+        self.spreads = spreads
+
+
+def spread(times: Sequence[float]) -> float:
+    """How far repeated timings scatter: their interquartile range over their median (0
+    for a single one).
+
+    Example:
+        >>> spread([1.0]), spread([1.0, 1.0, 1.0]), spread([1.0, 1.0, 2.0, 1.0])
+        (0.0, 0.0, 0.25)
+    """
+    if len(times) < 2:
+        return 0.0
+    low, _, high = statistics.quantiles(times, n=4, method="inclusive")
+    return (high - low) / statistics.median(times)
+
+
+def medians(runs: dict[str, Callable[[], Any]], repeats: int, *, budget: float = 0.0) -> Timings:
     """Median seconds of each run; the runs alternate within each repeat. A first call that
     takes over a second counts as a repeat (no separate warm-up). ``budget``: a run is
     timed more often, until its calls take about that many seconds (at most
-    :data:`MOST_REPEATS`), so that a few-millisecond call's median is one of many."""
+    :data:`MOST_REPEATS`), so that a few-millisecond call's median is one of many. The
+    result's ``spreads`` say how far each run's repeats scatter (:func:`spread`)."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     wanted: dict[str, int] = {}
     for name, run in runs.items():
@@ -229,7 +262,10 @@ def medians(
         for name in order:
             if len(times[name]) < wanted[name]:
                 times[name].append(timed(runs[name]))
-    return {name: statistics.median(values) for name, values in times.items()}
+    return Timings(
+        {name: statistics.median(values) for name, values in times.items()},
+        {name: spread(values) for name, values in times.items()},
+    )
 
 
 def ratios(rows: list[Row], reference: str, *, memory: bool = False) -> None:

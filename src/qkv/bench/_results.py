@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["MOST_REPEATS", "Row", "Settings", "Table"]
+__all__ = ["MOST_REPEATS", "SPREAD_BOUND", "Row", "Settings", "Table", "caveat"]
 
 
 @dataclass(frozen=True)
 class Settings:
-    """What to measure: lengths and repeats (``quick`` for a run of about a minute).
+    """What to measure: lengths and repeats (``quick`` for a shorter run).
 
     ``mask_length`` is the longest length of the structured masks; they are also measured
     at 4096 when that is shorter (:attr:`mask_lengths`). ``train_length``: the forward +
@@ -61,6 +61,31 @@ _BUDGETS = {"dense": 1.0, "masks": 3.0}
 MOST_REPEATS = 100
 """The most timed calls of one peer that a budget asks for (``_measure.medians``)."""
 
+SPREAD_BOUND = 0.10
+"""The most a peer's repeats may spread (their interquartile range over their median,
+``_measure.spread``) before a missed target is marked noisy: beyond it, the median itself
+may be off by several percent, as much as the goals' margins (1.03, 1.05)."""
+
+
+def caveat(load: float | None, spread: float | None, cores: int | None) -> str:
+    """Why a missed target may be the machine's, not the code's: the 1-minute load average
+    above the core count while it was measured, or repeats that spread beyond
+    :data:`SPREAD_BOUND`; "" when neither (or nothing is known).
+
+    Example:
+        >>> caveat(3.14, 0.02, 2)
+        'machine busy: load 3.1 on 2 cores'
+        >>> caveat(1.2, 0.4, 2)
+        'noisy: spread 40 %'
+        >>> caveat(1.2, 0.05, 2)
+        ''
+    """
+    if load is not None and cores and load > cores:
+        return f"machine busy: load {load:.1f} on {cores} core{'s' if cores != 1 else ''}"
+    if spread is not None and spread > SPREAD_BOUND:
+        return f"noisy: spread {100 * spread:.0f} %"
+    return ""
+
 
 @dataclass
 class Row:
@@ -77,6 +102,9 @@ class Row:
     note: str = ""
     compile_seconds: float | None = None  # torch.compile's first call, apart from the time
     ran: str = ""  # the backend qkv's auto ran (its rows only)
+    spread: float | None = None  # of the timed repeats (``_measure.spread``)
+    load: float | None = None  # the 1-minute load average when its section was done
+    caveat: str = ""  # targets only: why a "no" may be the machine's (:func:`caveat`)
 
 
 @dataclass

@@ -34,6 +34,7 @@ from qkv.bench._measure import (
     forward_flops,
     gemm_rate,
     inputs,
+    load_average,
     machine,
     medians,
     ratios,
@@ -42,6 +43,7 @@ from qkv.bench._measure import (
 )
 from qkv.bench._memory import peak_memory
 from qkv.bench._results import Row, Settings, Table
+from qkv.bench._targets import targets_table, worst
 from qkv.bench._train_step import train_step_section
 from qkv.kernels import tiled_attention
 from qkv.masks import Mask, document, sliding_window
@@ -87,7 +89,9 @@ def dense_section(settings: Settings, tick: Callable[[], None]) -> Table:
             share = causal_share(length) if causal else 1.0
             for name, seconds in seconds_of.items():
                 flops = forward_flops(length, length, share)
-                table.rows.append(Row(case, length, name, seconds, flops))
+                row = Row(case, length, name, seconds, flops)
+                row.spread = seconds_of.spreads[name]
+                table.rows.append(row)
             tick()
     ratios(table.rows, "sdpa-flash")
     return table
@@ -179,7 +183,13 @@ def _worker_masks(spec: dict[str, Any]) -> dict[str, Any]:
     seconds = medians(runs, max(repeats, 1), budget=spec.get("budget", 0.0))
     rule, _ = _structured(kind, length)
     ran = explain_dispatch(q, k, v, mask=rule).backend
-    return {"seconds": seconds, "compile": compiled, "errors": errors, "ran": ran}
+    return {
+        "seconds": dict(seconds),
+        "spreads": seconds.spreads,
+        "compile": compiled,
+        "errors": errors,
+        "ran": ran,
+    }
 
 
 def _worker_mask_memory(spec: dict[str, Any]) -> dict[str, Any]:
@@ -279,6 +289,7 @@ def masks_section(settings: Settings, tick: Callable[[], None]) -> Table:
                     note=timing["errors"].get(peer, ""),
                 )
                 row.compile_seconds = timing["compile"].get(peer)
+                row.spread = timing["spreads"].get(peer)
                 row.ran = timing["ran"] if peer == "qkv-auto" else ""
                 table.rows.append(row)
                 tick()
@@ -315,7 +326,9 @@ def backward_section(settings: Settings, tick: Callable[[], None]) -> Table:
         share = causal_share(length) if causal else 1.0
         for name, seconds in seconds_of.items():
             flops = 3.5 * forward_flops(length, length, share)
-            table.rows.append(Row("causal" if causal else "dense", length, name, seconds, flops))
+            row = Row("causal" if causal else "dense", length, name, seconds, flops)
+            row.spread = seconds_of.spreads[name]
+            table.rows.append(row)
         tick()
     ratios(table.rows, "sdpa-flash")
     return table
@@ -362,6 +375,7 @@ def masks_backward_section(settings: Settings, tick: Callable[[], None]) -> Tabl
         ran = explain_dispatch(q, k, v, mask=rule).backend
         for name, seconds in seconds_of.items():
             row = Row(kind, length, name, seconds, 3.5 * forward_flops(length, length, allowed))
+            row.spread = seconds_of.spreads[name]
             if name == "qkv-auto":
                 row.compile_seconds, row.ran = compile_seconds, ran
             table.rows.append(row)
@@ -376,118 +390,6 @@ def _naive_masked(
     scores = (q @ k.transpose(-1, -2)) / DIM**0.5  # (B, H, N, N)
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
-
-
-TARGETS: tuple[tuple[str, str, str, str, tuple[str, ...], str, float], ...] = (
-    # (table, case, what it says, peer, the peers it is held to, which lengths, goal): the
-    # peer's time over the fastest of the others, at the same case and length
-    ("masks", "window", "window: auto ÷ flex-compiled", "qkv-auto", ("flex-compiled",), "", 1.0),
-    (
-        "masks",
-        "documents",
-        "documents: auto ÷ flex-compiled",
-        "qkv-auto",
-        ("flex-compiled",),
-        "",
-        1.0,
-    ),
-    ("masks", "causal", "causal: auto ÷ flex-compiled", "qkv-auto", ("flex-compiled",), "", 1.0),
-    (
-        "masks-bwd",
-        "window",
-        "window fwd+bwd: auto ÷ best torch",
-        "qkv-auto",
-        ("sdpa-dense-mask", "naive-torch"),
-        "",
-        1.0,
-    ),
-    (
-        "masks-bwd",
-        "documents",
-        "documents fwd+bwd: auto ÷ best torch",
-        "qkv-auto",
-        ("sdpa-dense-mask", "naive-torch"),
-        "",
-        1.0,
-    ),
-    ("backward", "dense", "dense fwd+bwd: tiled ÷ sdpa-flash", "tiled", ("sdpa-flash",), "", 1.05),
-    (
-        "backward",
-        "causal",
-        "causal fwd+bwd: tiled ÷ sdpa-flash",
-        "tiled",
-        ("sdpa-flash",),
-        "",
-        1.05,
-    ),
-    ("dense", "dense", "dense forward: tiled ÷ sdpa-flash", "tiled", ("sdpa-flash",), "1024", 1.2),
-    (
-        "dense",
-        "causal",
-        "causal forward: tiled ÷ sdpa-flash",
-        "tiled",
-        ("sdpa-flash",),
-        "1024",
-        1.2,
-    ),
-    (
-        "dense",
-        "dense",
-        "dense forward: auto ÷ best of sdpa, tiled",
-        "qkv-auto",
-        ("sdpa-flash", "tiled"),
-        "1024",
-        1.03,
-    ),
-    (
-        "dense",
-        "causal",
-        "causal forward: auto ÷ best of sdpa, tiled",
-        "qkv-auto",
-        ("sdpa-flash", "tiled"),
-        "1024",
-        1.03,
-    ),
-    (
-        "train",
-        "documents",
-        "train step: packed ÷ best other",
-        "qkv-packed",
-        ("torch-mha-mask", "qkv-padded"),
-        "",
-        1.0,
-    ),
-)
-
-
-def targets_table(tables: Sequence[Table]) -> Table | None:
-    """The issues' performance targets, read from the times of this run's tables (None
-    when no table of this run has one)."""
-    by_key = {t.key: t for t in tables}
-    table = Table(
-        "targets",
-        "Targets: time ratios in this run",
-        "",
-        note=(
-            "ratio: the first peer's time over the fastest of the others named, same case "
-            "and length, same run. met: the ratio is at most the goal."
-        ),
-    )
-    for key, case, what, peer, others, length, goal in TARGETS:
-        if key not in by_key:
-            continue
-        rows = [r for r in by_key[key].rows if r.case == case and r.seconds is not None]
-        for row in rows:
-            if row.peer != peer or (length and str(row.length) != length):
-                continue
-            held = [r.seconds for r in rows if r.peer in others and r.length == row.length]
-            if not held or row.seconds is None:
-                continue
-            ratio = row.seconds / min(s for s in held if s is not None)
-            target = Row(what, row.length, peer, row.seconds, ratio=ratio)
-            target.note = f"{goal:.2f}"
-            table.rows.append(target)
-    return table if table.rows else None
 
 
 def _worker_long(spec: dict[str, Any]) -> dict[str, Any]:
@@ -647,7 +549,11 @@ def run_suite(
     try:
         for name in sections:
             section, _ = SECTIONS[name]
+            before = load_average()
             table = section(settings, functools.partial(tick, name))
+            load = worst(before, load_average())  # the busier of its start and end
+            for row in table.rows:
+                row.load = load
             done.append(table)
             yield table
         targets = targets_table(done)

@@ -151,7 +151,9 @@ def train_step_section(settings: Settings, tick: Callable[[], None]) -> Table:
         ),
     )
     for name, seconds in seconds_of.items():
-        table.rows.append(Row("documents", total, name, seconds))
+        row = Row("documents", total, name, seconds)
+        row.spread = seconds_of.spreads[name]
+        table.rows.append(row)
     ratios(table.rows, "qkv-packed")
     tick()
     return table

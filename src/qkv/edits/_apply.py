@@ -25,10 +25,12 @@ __all__ = ["HeadEditor", "positions_of"]
 
 
 def positions_of(site: EditSite) -> range:
-    """The sequence positions of the call's query rows."""
+    """The sequence positions of the call's query rows: after its keys' first position
+    (``site.first_key``, past the tokens a windowed cache let go), the last Lq of its keys
+    when the queries come last, else the first."""
     q_len, kv_len = int(site.query.shape[2]), int(site.key.shape[2])
     start = kv_len - q_len if site.queries_last and q_len <= kv_len else 0
-    return range(start, start + q_len)
+    return range(site.first_key + start, site.first_key + start + q_len)
 
 
 @dataclass
@@ -77,7 +79,7 @@ def _apply(site: EditSite, layer: int, path: str, edits: list[Edit]) -> tuple[An
                 f"to {heads - 1}."
             )
         value = site.value[:, edit.head // group]  # (B, Lk, Dv): this head's key/value head
-        rows = _edit_head(edit, context, value, positions, layer, where)
+        rows = _edit_head(edit, context, value, (positions, site.first_key), layer, where)
         if rows is None:
             continue
         applied.append(edit.describe())
@@ -91,11 +93,13 @@ def _apply(site: EditSite, layer: int, path: str, edits: list[Edit]) -> tuple[An
 
 
 def _edit_head(
-    edit: Edit, context: Any, value: Any, positions: range, layer: int, where: str
+    edit: Edit, context: Any, value: Any, where_in: tuple[range, int], layer: int, where: str
 ) -> _Rows | bool | None:
     """Write one edit into ``context`` (B, H, Lq, D); the weight rows it set, True for a
-    context edit, None when the edit does not touch this call."""
+    context edit, None when the edit does not touch this call. ``where_in``: the positions
+    of the call's queries and of its first key."""
     h = edit.head
+    positions, first_key = where_in
     if isinstance(edit, Scale):
         context[:, h] = context[:, h] * edit.factor
         return True
@@ -118,7 +122,8 @@ def _edit_head(
         if edit.what == "context":
             context[:, h] = source.to(device=context.device, dtype=context.dtype)
             return True
-        pattern = _keys(source, int(value.shape[1])).to(device=value.device, dtype=value.dtype)
+        pattern = _keys(source, first_key, int(value.shape[1]))
+        pattern = pattern.to(device=value.device, dtype=value.dtype)
         context[:, h] = (pattern @ value).to(context.dtype)  # (B, Lq, Lk)·(B, Lk, Dv)
         return _Rows(h, list(range(len(positions))), pattern)
     assert isinstance(edit, SetWeights)
@@ -133,14 +138,20 @@ def _edit_head(
         return None
     row = position - positions.start
     w = edit.weights
-    keys = int(value.shape[1])
-    if w.shape[-1] != keys or (w.ndim == 2 and w.shape[0] not in (1, context.shape[0])):
+    keys, span = int(value.shape[1]), first_key + int(value.shape[1])
+    if w.shape[-1] != span or (w.ndim == 2 and w.shape[0] not in (1, context.shape[0])):
         raise ValueError(
-            f"{where}: weights of shape {tuple(w.shape)} for a row of {keys} keys and a batch "
-            f"of {context.shape[0]}. Hint: pass ({keys},) or ({context.shape[0]}, {keys})."
+            f"{where}: weights of shape {tuple(w.shape)} for a row of {span} keys and a batch "
+            f"of {context.shape[0]}. Hint: pass ({span},) or ({context.shape[0]}, {span})."
         )
-    w = w.to(device=value.device, dtype=value.dtype).reshape(-1, 1, keys)  # (B or 1, 1, Lk)
-    w = w.expand(context.shape[0], 1, keys)
+    if first_key and bool(w[..., :first_key].any()):
+        raise ValueError(
+            f"{where}: weights on keys 0 to {first_key - 1}, which the cache's window has "
+            f"let go before query {position}. Hint: weights only on keys {first_key} to "
+            f"{span - 1}, or a cache with a longer max_length."
+        )
+    w = w[..., first_key:].to(device=value.device, dtype=value.dtype)
+    w = w.reshape(-1, 1, keys).expand(context.shape[0], 1, keys)  # (B, 1, Lk)
     context[:, h, row] = (w @ value)[:, 0].to(context.dtype)
     return _Rows(h, [row], w)
 
@@ -161,14 +172,16 @@ def _rows_of(source: Any, positions: range, batch: int, where: str) -> Any:
     return source[:, positions.start : positions.stop].expand(batch, -1, -1)
 
 
-def _keys(pattern: Any, keys: int) -> Any:
-    """Recorded weight rows cut or padded with zeros to this call's ``keys`` (a causal row
-    gives no weight to later keys)."""
-    held = int(pattern.shape[-1])
-    if held >= keys:
-        return pattern[..., :keys]
+def _keys(pattern: Any, first: int, keys: int) -> Any:
+    """The columns of recorded weight rows (one per key position) of this call's ``keys``
+    from position ``first`` on, padded with zeros past the recording (a causal row gives no
+    weight to later keys)."""
+    cut = pattern[..., first : first + keys]
+    held = int(cut.shape[-1])
+    if held == keys:
+        return cut
     pad = pattern.new_zeros((*pattern.shape[:-1], keys - held))
-    return _torch().cat((pattern, pad), dim=-1)
+    return _torch().cat((cut, pad), dim=-1)
 
 
 def _amend_trace(context: Any, written: list[_Rows], applied: list[dict[str, Any]]) -> None:

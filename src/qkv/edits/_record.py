@@ -24,7 +24,8 @@ class _Recorder:
     ):
         self.layers, self.chosen, self.what, self.outer = layers, chosen, what, outer
         self._index = {id(m): i for i, m in enumerate(layers.modules)}
-        self.parts: dict[int, dict[int, list[tuple[int, Any]]]] = {}
+        # each call's part: (first position, first key, (B, Lq, D) or (B, Lq, Lk))
+        self.parts: dict[int, dict[int, list[tuple[int, int, Any]]]] = {}
 
     def __call__(self, site: EditSite) -> tuple[Any, Any]:
         context, weights = (site.context, site.weights) if self.outer is None else self.outer(site)
@@ -45,20 +46,23 @@ class _Recorder:
             rows = list(range(int(site.query.shape[2])))
             found = site.weight_rows(heads, rows).to(context.dtype).transpose(0, 1)
         for h, part in zip(heads, found, strict=True):
-            self.parts.setdefault(layer, {}).setdefault(h, []).append((start, part.clone()))
+            first_key = site.first_key if self.what == "weights" else 0
+            kept = (start, first_key, part.clone())
+            self.parts.setdefault(layer, {}).setdefault(h, []).append(kept)
         return context, weights
 
     def assembled(self) -> dict[int, dict[int, Any]]:
-        """Each head's calls laid out by position: (B, P, D) or (B, P, K), zeros elsewhere."""
+        """Each head's calls laid out by position: (B, P, D) or (B, P, K) (weights by key
+        position), zeros elsewhere."""
         out: dict[int, dict[int, Any]] = {}
         for layer, heads in self.parts.items():
             for head, parts in heads.items():
-                length = max(start + int(p.shape[1]) for start, p in parts)
-                width = max(int(p.shape[2]) for _, p in parts)
-                first = parts[0][1]
+                length = max(start + int(p.shape[1]) for start, _, p in parts)
+                width = max(key + int(p.shape[2]) for _, key, p in parts)
+                first = parts[0][2]
                 whole = first.new_zeros((first.shape[0], length, width))
-                for start, p in parts:
-                    whole[:, start : start + p.shape[1], : p.shape[2]] = p
+                for start, key, p in parts:
+                    whole[:, start : start + p.shape[1], key : key + p.shape[2]] = p
                 out.setdefault(layer, {})[head] = whole
         return out
 

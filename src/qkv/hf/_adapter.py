@@ -244,6 +244,7 @@ def qkv_attention_forward(
         score_mod=None if softcap is None else softcap_mod(float(softcap)),
         scale=scaling,
         sinks=kwargs.get("s_aux"),
+        position_ids=None if kwargs.get("sliding_window") is None else kwargs.get("position_ids"),
     )
     output, weights = result if isinstance(result, tuple) else (result, None)
     return output.transpose(1, 2).contiguous(), weights
@@ -296,7 +297,16 @@ def _boolean_mask(mask: Any, q_len: int, kv_len: int) -> dict[str, Any]:
     return {"mask": mask}
 
 
-def _run(module: Any, query: Any, key: Any, value: Any, *, causal: bool, **options: Any) -> Any:
+def _run(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    causal: bool,
+    position_ids: Any = None,
+    **options: Any,
+) -> Any:
     """Run qkv's attention, inside the module's layer when the enclosing trace selects it.
 
     A layer that is not recorded runs on the fast path (``auto``: torch's SDPA, or the tiled
@@ -304,7 +314,9 @@ def _run(module: Any, query: Any, key: Any, value: Any, *, causal: bool, **optio
     and recomputes only the selected heads and query rows on the reference (O(rows · N)
     memory); only when transformers collects the weights (``output_attentions=True``) does
     the reference form them all. Inside a ``qkv.intervene`` block the result goes through
-    its editor (``causal``: the queries are the last positions of the keys).
+    its editor (``causal``: the queries are the last positions of the keys; the
+    ``position_ids`` of a sliding-window layer tell where its keys start, once its cache has
+    let early tokens go).
     """
     counter = _calls.get()
     if counter is not None:
@@ -330,7 +342,8 @@ def _run(module: Any, query: Any, key: Any, value: Any, *, causal: bool, **optio
                 found = weight_rows(query, key, value, heads, rows, enable_gqa=gqa, **options)
                 return require("torch", feature="qkv.hf").from_numpy(found).to(query.device)
 
-            site = EditSite(module, query, key, value, context, formed, causal, rows_of)
+            first = _first_key(position_ids, query, key) if causal else 0
+            site = EditSite(module, query, key, value, context, formed, causal, rows_of, first)
             context, formed = editor(site)
         return (context, formed) if weights else context
 
@@ -349,6 +362,16 @@ def _run(module: Any, query: Any, key: Any, value: Any, *, causal: bool, **optio
     }
     with trace.in_layer(name, **facts):
         return attend(_formulas(module, options.get("scale"), int(query.shape[-1])))
+
+
+def _first_key(position_ids: Any, query: Any, key: Any) -> int:
+    """The sequence position of a causal call's first key: one past its last query's
+    position (the largest over the batch: left padding lowers the others) less its keys.
+    0 without (B, Lq) position ids, and for a cache that holds every token."""
+    if getattr(position_ids, "ndim", 0) != 2 or position_ids.shape[-1] != query.shape[2]:
+        return 0
+    last = int(position_ids[:, -1].max())
+    return max(0, last + 1 - int(key.shape[2]))
 
 
 def qkv_mask(**kwargs: Any) -> Any:

@@ -526,7 +526,9 @@ class MultiHeadAttention(nn.Module):
                 return torch.from_numpy(found).to(q.device)
 
             last = cache is not None or (is_causal and lq < lk)
-            context, weights = editor(EditSite(self, q, k, v, context, weights, last, rows_of))
+            first_key = 0 if cache is None else offset + lq - lk  # a window let tokens go
+            site = EditSite(self, q, k, v, context, weights, last, rows_of, first_key)
+            context, weights = editor(site)
         if track is not None and weights is not None:
             track.accumulate(weights)
         concat = context.transpose(1, 2).reshape(batch, lq, H * D)  # (B, Lq, H·D)
