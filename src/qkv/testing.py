@@ -24,9 +24,9 @@ Example:
     >>> report = check_attention(attention, kind="attention")
     >>> report.ok, [f.diagnosis for f in report.findings]
     (False, ['unscaled'])
-    >>> grade = grade_attention(attention)
-    >>> grade.score, grade.max_score, [(p.part, p.score) for p in grade.parts][:2]
-    (3.0, 4.0, [('scores', 1.0), ('scaling', 0.0)])
+    >>> grade = grade_attention(attention)       # takes no mask: the mask part earns 0
+    >>> grade.score, grade.max_score, [(p.part, p.score) for p in grade.parts][:3]
+    (3.0, 5.0, [('scores', 1.0), ('scaling', 0.0), ('mask', 0.0)])
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any
 from qkv.check import FUNCTION_DIAGNOSES, FunctionError, FunctionReport
 from qkv.check import check_function as _check_function
 from qkv.check import check_function_file as _check_function_file
-from qkv.grade import Grade, PartResult, Rubric, load_rubric
+from qkv.grade import KINDS, Grade, PartResult, Rubric, Settings, load_rubric
 from qkv.grade._credit import credit_function
 
 __all__ = [
@@ -136,6 +136,7 @@ def assert_attention(
         AssertionError: the function makes a mistake (rounding notes do not fail).
         FunctionError: the function cannot be loaded or called.
     """
+    __tracebackhide__ = True  # pytest shows the student's test, not qkv's lines
     report = check_attention(
         fn,
         kind,
@@ -174,10 +175,12 @@ def grade_attention(
 ) -> Grade:
     """Grade an attention function per step: the credit ``qkv grade`` gives it.
 
-    The check is :func:`check_attention`'s (the same arguments); each part of the mechanism
-    (``grade.parts``: scores, scaling, mask, softmax, weighted sum, heads) earns its points
-    unless a slip found in it costs them; a part computed right on an earlier slip keeps
-    its points (follow-through).
+    The check is :func:`check_attention`'s (the same arguments); each part of the
+    assignment (``grade.parts``: those ``qkv grade --kind KIND`` grades, with the rubric:
+    scores, scaling, mask, softmax, weighted sum, heads) earns its points unless a slip
+    found in it costs them; a part computed right on an earlier slip keeps its points
+    (follow-through). A part the function cannot take (the mask, without a mask argument)
+    earns nothing; give it 0 points in the rubric if the assignment has none.
 
     Args:
         rubric: a :class:`~qkv.grade.Rubric`, the path of a rubric file, or None (1 point
@@ -208,4 +211,7 @@ def grade_attention(
         rubric = Rubric()
     elif isinstance(rubric, str):
         rubric = load_rubric(rubric)
-    return credit_function(student, report, rubric, batched=batched, hidden=hidden)
+    assignment = KINDS[kind].parts(Settings(kind=kind, rubric=rubric, batched=batched))
+    return credit_function(
+        student, report, rubric, batched=batched, hidden=hidden, assignment=assignment
+    )

@@ -134,8 +134,9 @@ def test_a_failed_write_leaves_the_grades_folder_as_it_was(
 
     out = tmp_path / "grades"
     out.mkdir()
-    (out / "grades.csv").write_text("the old grades\n")
     grades = [Grade(n, "ok", (PartResult("scores", 1.0, 1.0),)) for n in ("ada", "bo", "cy")]
+    write_class(out, grades[:1], title="the old grades")
+    before = {p.name: p.read_text() for p in out.iterdir()}
     real = _io.write_atomic
     written: list[str] = []
 
@@ -147,12 +148,15 @@ def test_a_failed_write_leaves_the_grades_folder_as_it_was(
 
     monkeypatch.setattr(_io, "write_atomic", full_disk)
     with pytest.raises(OSError, match="No space left"):
-        write_class(out, grades, title="t")
-    assert sorted(p.name for p in out.iterdir()) == ["grades.csv"]
-    assert (out / "grades.csv").read_text() == "the old grades\n"
+        write_class(out, grades, title="t", overwrite=True)
+    assert {p.name: p.read_text() for p in out.iterdir()} == before
     monkeypatch.setattr(_io, "write_atomic", real)
-    assert write_class(out, grades, title="t")[-2:] == ["class.html", "grades.csv"]
-    assert (out / "grades.csv").read_text().splitlines()[1] == "ada,1,1,ok,,"
+    assert write_class(out, grades, title="t", overwrite=True)[-2:] == ["class.html", "grades.csv"]
+    assert (out / "grades.csv").read_text().splitlines()[1:] == [
+        "ada,1,1,ok,,",
+        "bo,1,1,ok,,",
+        "cy,1,1,ok,,",
+    ]
 
 
 def test_a_function_without_the_mask_argument_loses_the_mask_part(tmp_path: Path) -> None:
@@ -182,6 +186,6 @@ def test_grading_twice_into_a_folder_inside_the_submissions(
 ) -> None:
     (tmp_path / "ada.py").write_text(RIGHT)
     monkeypatch.chdir(tmp_path)
-    for _ in range(2):
-        assert main(["grade", ".", "-o", "grades", "-j", "1"]) == 0
+    for again in ([], ["--overwrite"]):
+        assert main(["grade", ".", "-o", "grades", "-j", "1", *again]) == 0
         assert (tmp_path / "grades" / "grades.csv").read_text().splitlines()[1:] == ["ada,5,5,ok,,"]

@@ -19,7 +19,7 @@ from qkv.cli._common import Command, CommandError, int_in_range
 
 # qkv.grade.KINDS, for a fast --help
 _KINDS = ("attention", "causal", "multi-head", "gqa", "module", "example")
-_FORMATS = ("files", "gradescope")
+_FORMATS = ("files", "gradescope", "prairielearn")
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +35,14 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         "--output",
         "-o",
         metavar="OUT",
-        help="the folder to write the grades into (made if missing)",
+        help="the folder to write the grades into (made if missing; it must be empty, or "
+        "hold an earlier run's grades with --overwrite)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the grades an earlier run wrote into OUT; its files this run does not "
+        "write again (a student no longer in the class) are removed",
     )
     parser.add_argument(
         "--kind",
@@ -56,14 +63,15 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         "--class",
         dest="class_name",
         metavar="NAME",
-        default="MultiHeadAttention",
         help="with --kind module: the class each .py file defines, as 'qkv check --module' "
-        "drives it (default: MultiHeadAttention)",
+        "drives it (default: MultiHeadAttention); with --kind attention: a single-head "
+        "class without an output projection, graded instead of --function",
     )
     parser.add_argument(
         "--file",
         metavar="NAME.py",
-        help="in a student's folder, the file with the function (default: its only .py file)",
+        help="in a student's folder, the file with the function (default: its only .py "
+        "file, or the one that defines --function or --class; the others are its helpers)",
     )
     parser.add_argument(
         "--inputs",
@@ -75,6 +83,12 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         "--rubric",
         metavar="FILE.yaml",
         help="points per part and per slip code (default: 1 point per part; docs/grading.md)",
+    )
+    parser.add_argument(
+        "--feedback",
+        metavar="FILE.yaml",
+        help="your own words per slip code ('unscaled: See lecture 4.'), given to every "
+        "student with that slip",
     )
     parser.add_argument(
         "--hidden",
@@ -95,8 +109,9 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         choices=_FORMATS,
         default="files",
         help="files: grades.csv, STUDENT.json, "
-        "STUDENT.md and class.html; gradescope: SUBMISSIONS is one student's submission, "
-        "and OUT gets the results.json Gradescope reads (default: files)",
+        "STUDENT.md and class.html; gradescope, prairielearn: SUBMISSIONS is one student's "
+        "submission, and OUT gets the results.json that Gradescope or PrairieLearn's "
+        "external grader reads (default: files)",
     )
     parser.add_argument("--title", metavar="TEXT", help="the class page's title")
     group = parser.add_argument_group("as 'qkv check --function'")
@@ -142,9 +157,10 @@ def _configure(parser: argparse.ArgumentParser) -> None:
 def _settings(args: argparse.Namespace) -> Any:
     from qkv import examples
     from qkv._read import read_bytes
-    from qkv.grade import Settings, load_rubric
+    from qkv.grade import KINDS, Settings, load_feedback, load_rubric
 
     rubric = load_rubric(args.rubric) if args.rubric else None
+    words = load_feedback(args.feedback) if args.feedback else {}
     inputs, inputs_text = None, ""
     if args.inputs:
         if Path(args.inputs).suffix.lower() not in (".yaml", ".yml"):
@@ -165,10 +181,11 @@ def _settings(args: argparse.Namespace) -> Any:
             "example has none. Hint: leave out --hidden"
         )
     base = {} if rubric is None else {"rubric": rubric}
-    return Settings(
+    settings = Settings(
         kind=args.kind,
         function=args.function,
-        class_name=args.class_name,
+        class_name=args.class_name or "MultiHeadAttention",
+        class_given=args.class_name is not None and args.kind == "attention",
         hidden=args.hidden,
         inputs=inputs,
         inputs_text=inputs_text,
@@ -178,8 +195,17 @@ def _settings(args: argparse.Namespace) -> Any:
         batched=args.batched,
         timeout=args.timeout,
         isolation=args.isolation,
+        feedback=words,
         **base,
     )
+    parts = KINDS[args.kind].parts(settings)
+    if rubric is not None and settings.rubric.total(parts) == 0:
+        raise CommandError(
+            f"--rubric {visible(args.rubric)}: the parts of --kind {args.kind} "
+            f"({', '.join(parts)}) are all worth 0, so every submission would be graded "
+            "0 / 0. Hint: give one of them points, e.g. 'points: {softmax: 1}'"
+        )
+    return settings
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -188,7 +214,13 @@ def _run(args: argparse.Namespace) -> int:
             "give SUBMISSIONS and -o OUT. Hint: 'qkv grade submissions/ -o grades/ --kind "
             "attention' (see 'qkv grade --help')"
         )
-    if not args.class_name.isidentifier():
+    if args.class_name is not None and args.kind not in ("module", "attention"):
+        raise CommandError(
+            f"--class goes with --kind module or attention, not --kind {args.kind}. Hint: "
+            "--kind module --class MultiHeadAttention, or --kind attention --class Head (a "
+            "single head)"
+        )
+    if args.class_name is not None and not args.class_name.isidentifier():
         raise CommandError(
             f"--class must be a Python name, got {visible(args.class_name)!r}. Hint: "
             "--class MultiHeadAttention"
@@ -217,25 +249,36 @@ def _run(args: argparse.Namespace) -> int:
     settings = _settings(args)
     from qkv import grade
 
-    single = args.format == "gradescope"
-    grades = _with_progress(args, source, settings, single)
+    single = args.format != "files"
+    if not single:
+        grade.check_output(out, overwrite=args.overwrite)  # before any grading
+    skipped: list[str] = []
+    grades = _with_progress(args, source, settings, single, skipped)
+    for line in skipped:
+        print(f"qkv: skipped {line}", file=sys.stderr)
     if single:
         from qkv import _io
 
         out.mkdir(exist_ok=True)
-        _io.write_atomic(out / "results.json", grade.gradescope_json(grades[0]))
-        print(f"qkv: wrote {visible(str(out / 'results.json'))} (Gradescope)", file=sys.stderr)
+        write, platform = (
+            (grade.gradescope_json, "Gradescope")
+            if args.format == "gradescope"
+            else (grade.prairielearn_json, "PrairieLearn")
+        )
+        _io.write_atomic(out / "results.json", write(grades[0]))
+        print(f"qkv: wrote {visible(str(out / 'results.json'))} ({platform})", file=sys.stderr)
         _warn_weak([grades[0].isolation] if grades[0].isolation else [])
         return 0
     title = args.title or f"{source.stem or source.name} · {args.kind}"
-    grade.write_class(out, grades, title=title)
+    grade.write_class(out, grades, title=title, overwrite=args.overwrite)
     counts = ", ".join(
         f"{n} {s}" for s in grade.STATUSES if (n := sum(g.status == s for g in grades))
     )
     levels = sorted({g.isolation for g in grades if g.isolation})
     ran = f", code run under {', '.join(levels)}" if levels else ""
+    plural = "submission" if len(grades) == 1 else "submissions"
     print(
-        f"qkv: graded {len(grades)} submissions ({counts}{ran}); wrote grades.csv, "
+        f"qkv: graded {len(grades)} {plural} ({counts}{ran}); wrote grades.csv, "
         f"class.html and each student's .json and .md into {visible(str(out))}",
         file=sys.stderr,
     )
@@ -254,7 +297,7 @@ def _warn_weak(levels: list[str]) -> None:
 
 
 def _with_progress(
-    args: argparse.Namespace, source: Path, settings: Any, single: bool
+    args: argparse.Namespace, source: Path, settings: Any, single: bool, skipped: list[str]
 ) -> list[Any]:
     """Grade with a progress bar on a terminal (nothing elsewhere)."""
     from rich.console import Console
@@ -280,6 +323,7 @@ def _with_progress(
             single=single,
             skip=args.output,
             progress=tick,
+            skipped=skipped,
         )
 
 
@@ -310,6 +354,10 @@ COMMAND = Command(
         (
             "qkv grade /autograder/submission --format gradescope -o /autograder/results",
             "inside Gradescope's run_autograder: results.json",
+        ),
+        (
+            "qkv grade /grade/student --format prairielearn -o /grade/results",
+            "inside PrairieLearn's external grader: results.json",
         ),
     ),
     configure=_configure,

@@ -95,6 +95,8 @@ def _extract_one(
 ) -> int:
     """Unpack one entry; return the bytes written."""
     shown = visible(info.filename)
+    if len(shown) > 120:
+        shown = f"{shown[:70]}…{shown[-40:]}"
     parts = PurePosixPath(info.filename.replace("\\", "/")).parts
     if (
         not parts
@@ -115,7 +117,7 @@ def _extract_one(
         )
     destination = target.joinpath(*[p for p in parts if p != "."])
     if info.is_dir():
-        destination.mkdir(parents=True, exist_ok=True)
+        _make_folder(destination, name, shown, hint)
         return 0
     if info.file_size > MAX_FILE:
         raise ArchiveError(
@@ -127,7 +129,12 @@ def _extract_one(
             f"{name}: the entry {shown!r} unpacks to {info.file_size // max(info.compress_size, 1)}"
             f" times its packed size (a zip bomb?). {hint}"
         )
-    destination.parent.mkdir(parents=True, exist_ok=True)
+    _make_folder(destination.parent, name, shown, hint)
+    if destination.is_dir():
+        raise ArchiveError(
+            f"{name}: the entry {shown!r} is a file where the zip also has a folder of that "
+            f"name. {hint}"
+        )
     if destination.exists():
         raise ArchiveError(f"{name}: the entry {shown!r} is in the zip twice. {hint}")
     limit = min(info.file_size, left)
@@ -151,6 +158,34 @@ def _extract_one(
         OSError,
     ) as error:
         raise ArchiveError(
-            f"{name}: the entry {shown!r} cannot be unpacked ({error}). {hint}"
+            f"{name}: the entry {shown!r} cannot be unpacked ({_why(error)}). {hint}"
         ) from None
     return written
+
+
+def _make_folder(folder: Path, name: str, shown: str, hint: str) -> None:
+    """Make the folder an entry goes into; an entry whose folder cannot be made (a file of
+    that name, a name too long for this file system) is one line naming the entry."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ArchiveError(
+            f"{name}: the entry {shown!r} needs a folder where the zip has a file of the same "
+            f"name. {hint}"
+        ) from None
+    except NotADirectoryError:
+        raise ArchiveError(
+            f"{name}: the entry {shown!r} is inside a name that the zip also uses for a file. "
+            f"{hint}"
+        ) from None
+    except OSError as error:
+        raise ArchiveError(
+            f"{name}: the entry {shown!r} cannot be unpacked here ({_why(error)}). {hint}"
+        ) from None
+
+
+def _why(error: BaseException) -> str:
+    """An error's reason without the temporary path it names."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror.lower()
+    return visible(" ".join(str(error).split()))[:200]

@@ -64,6 +64,12 @@ def _t(text: object) -> str:
     return escape(visible(str(text)), quote=True)
 
 
+def _lines(text: str) -> str:
+    """Text of several lines for a ``white-space: pre-wrap`` block: each line escaped, the
+    line breaks kept (not written out as ``\\n``)."""
+    return "\n".join(_t(line) for line in text.split("\n"))
+
+
 def _anchor(student: str) -> str:
     return f"student-{student}"
 
@@ -93,7 +99,8 @@ def _summary(grades: Sequence[Grade]) -> str:
     mean = sum(g.score / g.max_score for g in graded) / len(graded) if graded else 0.0
     parts = ", ".join(f"{counts[s]} {s}" for s in ("ok", "slip", "error", "timeout") if counts[s])
     return (
-        f'<p id="summary">{len(grades)} submissions: {_t(parts or "none")}. '
+        f'<p id="summary">{len(grades)} submission{"" if len(grades) == 1 else "s"}: '
+        f"{_t(parts or 'none')}. "
         f"Mean score: {round(100 * mean)} % of the points.</p>"
     )
 
@@ -192,7 +199,8 @@ def _students(grades: Sequence[Grade]) -> str:
             f" · {_t(points(g.score))} / {_t(points(g.max_score))} · "
             f'<span class="{state}">{_t(g.status)}</span>{slip}</summary>'
         )
-        out.append(f"<p>{_t(g.title)}</p>")
+        who = f" (id {_t(g.student_id)})" if g.student_id else ""
+        out.append(f"<p>{_t(g.title)}{who}</p>")
         if g.status in ("error", "timeout"):
             out.append(f'<p class="part">{_t(g.reason)}</p>')
         for part in g.parts:
@@ -202,7 +210,7 @@ def _students(grades: Sequence[Grade]) -> str:
                 f"{_t(points(part.max_score))}</p>"
             )
             if g.status not in ("error", "timeout"):
-                out.append(f'<p class="part">{_t(_teacher_text(g, part))}</p>')
+                out.append(f'<p class="part">{_lines(_teacher_text(g, part))}</p>')
         out.append("</details>")
     return "\n".join(out)
 

@@ -33,6 +33,7 @@ from qkv.grade._rubric import Rubric
 
 __all__ = [
     "HIDDEN_NOTE",
+    "NOT_TAKEN",
     "STATUSES",
     "Grade",
     "PartResult",
@@ -48,6 +49,10 @@ STATUSES = ("ok", "slip", "error", "timeout")
 """A graded submission's status: right (notes allowed), a slip, unusable, or out of time."""
 
 HIDDEN_NOTE = "A hidden probe failed at this step (its inputs are not shown)."
+NOT_TAKEN = (
+    "Not graded: the function does not take what this part needs (the mask argument), so "
+    "this part of the assignment earns nothing."
+)
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,9 @@ class PartResult:
         codes: the slip codes that cost it points (or notes found in it), in order.
         findings: what ``qkv check`` found in it (mistakes and notes).
         follow_through: rows of this part done right on wrong numbers from before.
-        shown: False for a worked example's part with no claimed row at or after it.
+        shown: False for a worked example's part with no claimed row at or after it, and
+            for a part of the assignment the submission cannot take (no mask argument).
+        why: for a part not shown, why it earned nothing, as the student reads it.
     """
 
     part: str
@@ -71,6 +78,7 @@ class PartResult:
     findings: tuple[Finding, ...] = ()
     follow_through: bool = False
     shown: bool = True
+    why: str = ""
 
     @property
     def title(self) -> str:
@@ -99,6 +107,8 @@ class Grade:
         example: for a worked example, the steps' rows: (step, token) → (claimed numbers
             as printed, correct numbers), for the class page.
         isolation: for code run sandboxed, the isolation it ran at (``bubblewrap``, ...).
+        teacher: the teacher's own words for the slip codes found (``--feedback``).
+        student_id: the student's id in the course platform's export, or empty.
     """
 
     student: str
@@ -113,6 +123,8 @@ class Grade:
         default_factory=dict
     )
     isolation: str | None = None
+    teacher: dict[str, str] = field(default_factory=dict)
+    student_id: str = ""
 
     @property
     def score(self) -> float:
@@ -175,7 +187,7 @@ def part_text(grade: Grade, part: PartResult) -> str:
     if not part.shown and grade.kind == "example":
         return "Not shown: no claimed row at this step or after it, so nothing shows it was done."
     if not part.shown:
-        return "Not graded: the function does not take what this part needs (the mask argument?)."
+        return part.why or NOT_TAKEN
     lines: list[str] = []
     for code in part.codes:
         finding = next(f for f in part.findings if (f.diagnosis or "unrecognised") == code)
@@ -187,6 +199,8 @@ def part_text(grade: Grade, part: PartResult) -> str:
         if finding.printed:
             lines.append("  computed: " + ", ".join(visible(p) for p in finding.printed))
             lines.append("  correct:  " + ", ".join(number(x, 4) for x in finding.expected))
+        if code in grade.teacher:
+            lines.append("  from your teacher: " + visible(" ".join(grade.teacher[code].split())))
     if not lines:
         lines.append(
             "Right, on the numbers of an earlier step that were wrong (follow-through credit)."
@@ -206,8 +220,13 @@ def failed(
     kind: str,
     title: str,
 ) -> Grade:
-    """The grade of a submission that could not be checked: no part earns a point."""
-    results = tuple(PartResult(p, 0.0, rubric.points_of(p)) for p in parts if rubric.points_of(p))
+    """The grade of a submission that could not be checked: every part of the assignment
+    is there, and none earns a point (``reason`` says why)."""
+    results = tuple(
+        PartResult(p, 0.0, rubric.points_of(p), shown=False, why=reason)
+        for p in parts
+        if rubric.points_of(p)
+    )
     return Grade(student, status, results, reason=reason, kind=kind, title=title)
 
 
@@ -222,17 +241,42 @@ def function_parts(kind: str, *, with_mask: bool, batched: bool) -> tuple[str, .
 
 
 def credit_function(
-    student: str, report: FunctionReport, rubric: Rubric, *, batched: bool, hidden: bool
+    student: str,
+    report: FunctionReport,
+    rubric: Rubric,
+    *,
+    batched: bool,
+    hidden: bool,
+    assignment: Sequence[str] | None = None,
 ) -> Grade:
     """The grade of a checked function: each finding costs its part (the rubric's price).
 
+    ``assignment`` is the parts of the assignment (:func:`function_parts` of its kind, by
+    default those the function was checked on): a part the function cannot take (the mask,
+    for a function without a mask argument) earns nothing, with the reason; a part the
+    assignment lacks is left out. So a submission has the same parts and total whether it
+    is graded alone or in a class.
+
     ``hidden`` hides every probe but the first: the feedback names a slip found on the first
     probe, and says of the others only that a hidden probe failed.
+
+    Example:
+        >>> from qkv.check import check_function
+        >>> import numpy as np
+        >>> def attention(Q, K, V):
+        ...     s = Q @ K.T / np.sqrt(Q.shape[-1])
+        ...     w = np.exp(s - s.max(-1, keepdims=True))
+        ...     return (w / w.sum(-1, keepdims=True)) @ V
+        >>> grade = credit_function("ada", check_function(attention), Rubric(), batched=False,
+        ...     hidden=False, assignment=function_parts("attention", with_mask=True, batched=False))
+        >>> grade.score, grade.max_score, grade.part("mask").shown
+        (4.0, 5.0, False)
     """
     all_probes = probes(report.kind, with_mask=report.with_mask, batched=batched)
     roles = {p.name: p.role for p in all_probes}
     secret = frozenset(p.name for p in all_probes[1:]) if hidden else frozenset()
-    parts = function_parts(report.kind, with_mask=report.with_mask, batched=batched)
+    taken = function_parts(report.kind, with_mask=report.with_mask, batched=batched)
+    parts = tuple(assignment) if assignment is not None else taken
     costs: dict[str, list[Finding]] = {p: [] for p in parts}
     for f in report.findings:
         if f.status not in ("mismatch", "note"):
@@ -249,10 +293,19 @@ def credit_function(
             if code == "unrecognised" and roles.get(f.token) == "masked-row"
             else part_of(code, f.step)
         )
+        if part not in costs:  # a part the assignment does not grade: the step's part
+            heads = 2 if report.kind in ("multi-head", "gqa") else 1
+            part = part_of(None, f.step, heads=heads)
         costs.setdefault(part if part in costs else parts[-1], []).append(f)
-    first = next((i for i, p in enumerate(parts) if costs[p]), len(parts))
+    # follow-through only after a mistake: a note (masked-row-nan) is no earlier slip
+    first = next(
+        (i for i, p in enumerate(parts) if any(f.status == "mismatch" for f in costs[p])),
+        len(parts),
+    )
     results = tuple(
         _part(p, costs[p], rubric, follow=i > first)
+        if p in taken
+        else PartResult(p, 0.0, rubric.points_of(p), shown=False, why=_not_taken(report, p))
         for i, p in enumerate(parts)
         if rubric.points_of(p)
     )
@@ -265,6 +318,16 @@ def credit_function(
         findings=report.findings,
         hidden=secret,
         isolation=report.isolation,
+    )
+
+
+def _not_taken(report: FunctionReport, part: str) -> str:
+    """Why a part of the assignment could not be checked on this submission."""
+    if part == "mask":
+        return NOT_TAKEN
+    return (
+        f"Not graded: the submission was not checked on this part ({PART_TITLES[part]}), so "
+        "it earns nothing."
     )
 
 

@@ -14,6 +14,7 @@ error, a missing function, a crash, a file too large), or ``timeout``.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,7 @@ from qkv.grade._credit import (
 from qkv.grade._rubric import Rubric
 from qkv.grade._submissions import Submission
 
-__all__ = ["KINDS", "Kind", "Settings", "grade_one"]
+__all__ = ["KINDS", "Kind", "Settings", "defined", "for_student", "grade_one"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,10 @@ class Settings:
     Attributes:
         kind: the name of a :data:`KINDS` entry.
         function: the name of the function a code submission defines.
-        class_name: the name of the class a ``module`` submission defines.
+        class_name: the name of the class a ``module`` submission defines (with kind
+            ``attention`` and ``class_given``: a single head without an output projection).
+        class_given: kind ``attention`` grades the class ``class_name`` (``--class``), not
+            the function.
         rubric: points per part and per slip.
         hidden: hide every probe but the first from the students' feedback.
         inputs: the worked example every submission had to use (claims only), or None.
@@ -53,11 +57,13 @@ class Settings:
             it appended).
         mask_means, array, alignment, batched, timeout, isolation: as ``qkv check
             --function``.
+        feedback: the teacher's own words per slip code (``--feedback``).
     """
 
     kind: str = "attention"
     function: str = "attention"
     class_name: str = "MultiHeadAttention"
+    class_given: bool = False
     rubric: Rubric = dataclasses.field(default_factory=Rubric)
     hidden: bool = False
     inputs: Example | None = None
@@ -68,6 +74,7 @@ class Settings:
     batched: bool = False
     timeout: float = 20.0
     isolation: str = "auto"
+    feedback: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -91,6 +98,8 @@ class Kind:
 
 def _function_kind(name: str, summary: str) -> Kind:
     def grade(path: Path, student: str, settings: Settings) -> Grade:
+        if name == "attention" and settings.class_given:
+            return _grade_class(path, student, settings, single=True)
         report = check_function_file(
             f"{path}:{settings.function}",
             name,
@@ -103,37 +112,79 @@ def _function_kind(name: str, summary: str) -> Kind:
         )
         report = dataclasses.replace(report, name=f"{settings.function} in {path.name}")
         return credit_function(
-            student, report, settings.rubric, batched=settings.batched, hidden=settings.hidden
+            student,
+            report,
+            settings.rubric,
+            batched=settings.batched,
+            hidden=settings.hidden,
+            assignment=parts(settings),
         )
 
     def parts(settings: Settings) -> tuple[str, ...]:
-        with_mask = name == "attention" and settings.mask_means != "allow"
+        # the assignment's parts: attention(Q, K, V, mask) has a mask part unless the rubric
+        # gives it 0 points; multi-head and gqa functions take no mask unless the rubric
+        # gives the mask points
+        with_mask = name == "attention" or settings.rubric.names("mask")
         return function_parts(name, with_mask=with_mask, batched=settings.batched)
 
     return Kind(name, summary, True, grade, parts)
 
 
 def _grade_module(path: Path, student: str, settings: Settings) -> Grade:
-    """An attention class, driven as a multi-head function (``qkv check --module``)."""
+    """An attention class, driven as ``qkv check --module`` drives it."""
+    return _grade_class(path, student, settings, single=False)
+
+
+def _grade_class(path: Path, student: str, settings: Settings, *, single: bool) -> Grade:
+    """An attention class (``qkv check --module``): with ``single``, a single head without
+    an output projection (kind ``attention``); else any, credited on the assignment's
+    parts (a single head handed in for multi-head attention lacks its projections and
+    heads)."""
     report = check_module_file(
-        f"{path}:{settings.class_name}", timeout=settings.timeout, isolation=settings.isolation
+        f"{path}:{settings.class_name}",
+        timeout=settings.timeout,
+        isolation=settings.isolation,
+        kind="attention" if single else None,
     )
-    # credited as the multi-head function it was driven as (with the mask part when it was
-    # driven as causal); the class's name for the student
+    # credited as the function it was driven as: a single head, or multi-head attention
+    # (with the mask part when its forward took a mask or was causal); the class's name
+    # for the student
+    one_head = single or "one head" in report.kind
     report = dataclasses.replace(
         report,
         name=f"{settings.class_name} in {path.name}",
-        kind="multi-head",
-        with_mask="causal" in report.kind,
+        kind="attention" if one_head else "multi-head",
     )
-    return credit_function(student, report, settings.rubric, batched=False, hidden=settings.hidden)
+    assignment = KINDS[settings.kind].parts(settings)
+    return credit_function(
+        student,
+        report,
+        settings.rubric,
+        batched=False,
+        hidden=settings.hidden,
+        assignment=assignment,
+    )
+
+
+def _module_parts(settings: Settings) -> tuple[str, ...]:
+    """A class's parts: those of multi-head attention, with the mask when the rubric gives
+    it points (a class whose forward takes a mask, or is causal)."""
+    return function_parts("multi-head", with_mask=settings.rubric.names("mask"), batched=False)
 
 
 def _no_code(path: Path, student: str, settings: Settings) -> Grade:
     raise FunctionError(
-        f"{path.name}: code, but --kind example grades worked examples. Hint: hand in a "
-        ".yaml worked example, or grade code with --kind attention"
+        f"{path.name}: code, but this assignment grades worked examples. Hint: hand in a "
+        ".yaml worked example (the practice page's Hand in)"
     )
+
+
+def _example_parts(settings: Settings) -> tuple[str, ...]:
+    """The parts of a worked example that cannot be read: those of the inputs everyone
+    used (``--inputs``), else the steps every worked example has."""
+    if settings.inputs is not None:
+        return example_parts(settings.inputs)
+    return ("scores", "scaling", "softmax", "weighted-sum")
 
 
 KINDS: dict[str, Kind] = {
@@ -150,27 +201,37 @@ KINDS: dict[str, Kind] = {
         "an attention class (nn.Module), as 'qkv check --module' drives it",
         True,
         _grade_module,
-        lambda settings: function_parts("multi-head", with_mask=False, batched=False),
+        _module_parts,
     ),
     "example": Kind(
         "example",
         "a worked example with its claimed numbers (.yaml or .json)",
         False,
         _no_code,
-        lambda settings: ("scores", "scaling", "softmax", "weighted-sum"),
+        lambda settings: _example_parts(settings),
     ),
 }
 """The kinds ``--kind`` accepts, by name."""
 
 
 def _timed_out(error: FunctionError) -> bool:
-    """Whether ``qkv check --function`` stopped the code for time (its two messages)."""
+    """Whether ``qkv check --function`` stopped the code for time (its messages)."""
     text = str(error)
-    return "did not finish within" in text or "s of CPU time" in text
+    return any(
+        said in text
+        for said in ("did not finish within", "s of CPU time", "ran past", "an infinite loop")
+    )
 
 
 def grade_one(submission: Submission, settings: Settings) -> Grade:
-    """The grade of one submission; never raises for a broken one."""
+    """The grade of one submission; never raises for a broken one. It carries the
+    student's id and the teacher's words for the slips it made."""
+    grade = _grade_one(submission, settings)
+    words = {c: settings.feedback[c] for c in grade.slips if c in settings.feedback}
+    return dataclasses.replace(grade, teacher=words, student_id=submission.student_id)
+
+
+def _grade_one(submission: Submission, settings: Settings) -> Grade:
     kind = KINDS[settings.kind]
     parts = kind.parts(settings)
     student = submission.student
@@ -178,7 +239,7 @@ def grade_one(submission: Submission, settings: Settings) -> Grade:
         return failed(
             student,
             "error",
-            submission.problem,
+            for_student(submission.problem),
             parts,
             settings.rubric,
             kind=kind.name,
@@ -194,7 +255,7 @@ def grade_one(submission: Submission, settings: Settings) -> Grade:
         return failed(
             student,
             status,
-            reason,
+            for_student(reason),
             parts,
             settings.rubric,
             kind=kind.name,
@@ -202,9 +263,43 @@ def grade_one(submission: Submission, settings: Settings) -> Grade:
         )
 
 
+_FLAG = re.compile(r"(?<![\w-])--[a-z][\w-]*")
+
+
+def for_student(reason: str) -> str:
+    """A reason as the student reads it: a hint that names an option of qkv's command line
+    (meant for the teacher) is left out, and an option in the text itself is named as a
+    setting of the assignment.
+
+    Example:
+        >>> for_student("ada: 2 .py files (a.py, b.py). Hint: give --file NAME.py")
+        'ada: 2 .py files (a.py, b.py).'
+        >>> for_student("x.py: code, but --kind example grades examples")
+        'x.py: code, but the assignment grades examples'
+    """
+    text, sep, hint = reason.partition(" Hint: ")
+    if sep and not _FLAG.search(hint):
+        text = f"{text}{sep}{hint}"
+    elif sep:
+        text = text if text.endswith(".") else text + "."
+    return _FLAG.sub("the assignment", re.sub(r"--kind \w+", "--kind", text)).replace(
+        "the assignment the assignment", "the assignment"
+    )
+
+
 def _defined(kind: str, settings: Settings) -> str:
     """What a code submission of ``kind`` defines: its class or its function."""
-    return settings.class_name if kind == "module" else settings.function
+    return defined(settings) or kind
+
+
+def defined(settings: Settings) -> str | None:
+    """The name each code submission defines (its class or its function), or None for
+    worked examples."""
+    if not KINDS[settings.kind].code:
+        return None
+    if settings.kind == "module" or (settings.kind == "attention" and settings.class_given):
+        return settings.class_name
+    return settings.function
 
 
 def _grade_example(submission: Submission, path: Path, settings: Settings) -> Grade:
@@ -218,7 +313,7 @@ def _grade_example(submission: Submission, path: Path, settings: Settings) -> Gr
             student,
             "error",
             reason,
-            ("scores", "scaling", "softmax", "weighted-sum"),
+            _example_parts(settings),
             rubric,
             kind="example",
             title=submission.entry,
@@ -254,7 +349,10 @@ def _load_example(path: Path, settings: Settings) -> Example:
         # of a mistake in the claims are the file's own
         text = read_bytes(path, limit=1 << 20, what="a worked example").decode("utf-8", "replace")
         merged = text.rstrip("\n") + "\n" + settings.inputs_text
-        claims = examples.loads(merged, source=path.name)
+        try:
+            claims = examples.loads(merged, source=path.name)
+        except ExampleError as merged_error:
+            raise _own_lines(merged_error, text, path.name) from None
         return dataclasses.replace(claims, name=settings.inputs.name, source=str(path))
     if not same_inputs(example, settings.inputs):
         raise ExampleError(
@@ -263,6 +361,29 @@ def _load_example(path: Path, settings: Settings) -> Example:
             hint="compute the steps on the inputs the assignment gave",
         )
     return example
+
+
+def _own_lines(error: ExampleError, text: str, source: str) -> ExampleError:
+    """An error of a hand-in read with the inputs after it, on the hand-in's own lines: one
+    found in the inputs' lines comes from a key the hand-in gives too (``options:``)."""
+    lines = text.rstrip("\n").split("\n")
+    if error.line is None or error.line <= len(lines):
+        return error
+    key = (error.field or "").split(".")[0].split("[")[0]
+    own = next((i + 1 for i, line in enumerate(lines) if key and line.startswith(f"{key}:")), None)
+    if own is None:
+        return ExampleError(
+            "it does not fit the inputs of the assignment",
+            source=source,
+            hint="a hand-in holds only 'claimed:', with the rows you computed",
+        )
+    return ExampleError(
+        f"the inputs of the assignment give {key!r}; a hand-in claims numbers only",
+        source=source,
+        line=own,
+        field=key,
+        hint=f"remove '{key}:' from your file and keep 'claimed:'",
+    )
 
 
 def same_inputs(a: Example, b: Example) -> bool:

@@ -72,6 +72,14 @@ class Rubric:
         """The points ``part`` is worth."""
         return float(self.points.get(part, DEFAULT_POINTS))
 
+    def names(self, part: str) -> bool:
+        """Whether the rubric gives ``part`` points of its own (it belongs to the assignment)."""
+        return self.points.get(part, 0.0) > 0
+
+    def total(self, parts: tuple[str, ...]) -> float:
+        """The points of ``parts`` together."""
+        return sum(self.points_of(p) for p in parts)
+
     def penalty(self, code: str, part_points: float) -> float:
         """The points ``code`` costs, at most ``part_points``."""
         default = 0.0 if code in NOTES else part_points
@@ -123,6 +131,11 @@ def parse_rubric(text: str, *, source: str = "<rubric>") -> Rubric:
                     "Hint: a rubric holds plain numbers; write each value out"
                 )
         root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except RecursionError:
+        raise RubricError(
+            f"--rubric {source}: nested too deeply to be a rubric. Hint: a rubric is two "
+            "levels deep, e.g. 'points:' then '  softmax: 2'"
+        ) from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         line = f", line {mark.line + 1}" if mark is not None else ""
@@ -154,6 +167,13 @@ def parse_rubric(text: str, *, source: str = "<rubric>") -> Rubric:
             if key not in allowed:
                 raise fail(key_node, where, f"unknown {what} {key!r}", _did_you_mean(key, allowed))
             target[key] = _points(value_node, where, fail)
+    if points and all(points.get(p, DEFAULT_POINTS) == 0 for p in PARTS):
+        raise fail(
+            top["points"][1],
+            "points",
+            "every part is worth 0, so every submission would be graded 0 / 0",
+            "give at least one part points, e.g. 'softmax: 1'",
+        )
     return Rubric(points=points, penalties=penalties, source=source)
 
 

@@ -5,17 +5,20 @@ Each code submission runs in its own sandboxed process (``qkv check --function``
 wait. A submission that breaks anything (its code, its file, qkv itself) becomes an ``error``
 grade with its reason; the run goes on. Only a setting of the teacher's that no submission
 can meet (an isolation this machine lacks) stops it, before any grade.
+
+Every grade has the parts of the assignment (its kind and rubric), whatever the others of
+the class did: a submission graded alone (Gradescope, PrairieLearn) has the parts and total
+it has in a class.
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
 from collections.abc import Callable, Sequence
 
 from qkv.check._sandbox import IsolationError
-from qkv.grade._credit import Grade, PartResult
+from qkv.grade._credit import Grade
 from qkv.grade._kinds import Settings, grade_one
 from qkv.grade._submissions import Submission
 
@@ -47,7 +50,7 @@ def grade_all(
             for future in running:
                 future.cancel()
             raise
-    return _same_parts([g for g in grades if g is not None])
+    return [g for g in grades if g is not None]
 
 
 def _safely(submission: Submission, settings: Settings) -> Grade:
@@ -67,26 +70,3 @@ def _safely(submission: Submission, settings: Settings) -> Grade:
                 settings,
             ),
         )
-
-
-def _same_parts(grades: list[Grade]) -> list[Grade]:
-    """Grade every submission of one kind on the same parts: those most of the class was
-    graded on. A part a submission lacks (a function without the mask argument in a class
-    whose functions take one, a submission that could not be checked) earns nothing."""
-    seen: dict[str, list[tuple[tuple[str, float], ...]]] = collections.defaultdict(list)
-    for g in grades:
-        if g.status in ("ok", "slip"):
-            seen[g.kind].append(tuple((p.part, p.max_score) for p in g.parts))
-    common = {kind: collections.Counter(s).most_common(1)[0][0] for kind, s in seen.items()}
-    out = []
-    for g in grades:
-        if g.kind not in common:
-            out.append(g)
-            continue
-        have = {p.part: p for p in g.parts}
-        parts = tuple(
-            have.get(part) or PartResult(part, 0.0, points, shown=g.status not in ("ok", "slip"))
-            for part, points in common[g.kind]
-        )
-        out.append(dataclasses.replace(g, parts=parts))
-    return out
