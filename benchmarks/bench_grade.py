@@ -1,7 +1,7 @@
 """``qkv grade`` on a class of N function submissions: the wall time and the time per submission.
 
-Each submission runs in its own sandboxed Python process (docs/check-function.md): a child
-that imports NumPy and qkv's checker, loads the student's file and calls it on the probes. So
+Each submission runs in its own sandboxed Python process (docs/isolation.md): a child that
+imports NumPy (and torch), loads the student's file and answers qkv's calls on the probes. So
 the cost is one process start per submission, ``--jobs`` of them at once. The class is a mix
 of right functions and the common slips (unscaled, mask ignored, softmax over the wrong axis).
 
@@ -10,7 +10,7 @@ average is printed beside it.
 
 Usage:
     python benchmarks/bench_grade.py                      # 200 submissions, 2 jobs
-    python benchmarks/bench_grade.py --students 60 --jobs 4 --isolation process
+    python benchmarks/bench_grade.py --students 60 --jobs 4 --isolation namespaces
 """
 
 from __future__ import annotations

@@ -85,8 +85,8 @@ def check_attention(
         num_kv_heads: kind multi-head only: grouped-query attention with the multi-head
             signature; W_k and W_v hold this many key/value heads (1, 2, 4 or 8).
         isolation: how a ``"FILE.py:NAME"`` is kept from the machine: ``"auto"`` (the
-            strongest level available), ``"bubblewrap"``, ``"namespaces"`` or ``"process"``
-            (ignored for a function). The report's ``isolation`` says which ran.
+            strongest level available), ``"bubblewrap"`` or ``"namespaces"`` (ignored for
+            a function; docs/isolation.md). The report's ``isolation`` says which ran.
 
     Raises:
         FunctionError: the function cannot be loaded or called, crashed, hit a limit or

@@ -199,6 +199,27 @@ def garbage(Q: Any, K: Any, V: Any) -> Any:
     return attention(Q, K, V)[0] + 0.1
 
 
+def qk_not_transposed(Q: Any, K: Any, V: Any) -> Any:
+    return softmax(Q @ K / np.sqrt(Q.shape[-1])) @ V  # K.T meant: runs only where Lk = d_k
+
+
+def torch_qk_not_transposed(Q: Any, K: Any, V: Any) -> Any:
+    import torch
+
+    s = torch.matmul(Q, K) / Q.shape[-1] ** 0.5
+    return torch.softmax(s, dim=-1) @ V
+
+
+def mask_filled_with_zero(Q: Any, K: Any, V: Any, mask: Any) -> Any:
+    s = np.where(mask, Q @ K.T / np.sqrt(Q.shape[-1]), 1e-9)  # "a tiny number"
+    return softmax(s) @ V
+
+
+def mask_filled_with_inf(Q: Any, K: Any, V: Any, mask: Any) -> Any:
+    s = np.where(mask, Q @ K.T / np.sqrt(Q.shape[-1]), np.inf)
+    return softmax(s) @ V
+
+
 SLIPPED = [
     ("attention", unscaled, "unscaled"),
     ("attention", scaled_by_dk, "scaled-by-dk"),
@@ -210,6 +231,10 @@ SLIPPED = [
     ("attention", mask_ignored, "mask-ignored"),
     ("attention", mask_inverted, "mask-inverted"),
     ("attention", garbage, "unrecognised"),
+    ("attention", qk_not_transposed, "qk-not-transposed"),
+    ("attention", torch_qk_not_transposed, "qk-not-transposed"),
+    ("attention", mask_filled_with_zero, "mask-filled-with-zero"),
+    ("attention", mask_filled_with_inf, "mask-filled-with-inf"),
     ("causal", causal_ignored, "mask-ignored"),
     ("causal", causal_inverted, "mask-inverted"),
     ("causal", causal_bottom_right, "causal-misaligned"),
@@ -223,7 +248,7 @@ SLIPPED = [
 ]
 
 
-@pytest.mark.parametrize(("kind", "fn", "code"), SLIPPED, ids=[c for _, _, c in SLIPPED])
+@pytest.mark.parametrize(("kind", "fn", "code"), SLIPPED, ids=[f.__name__ for _, f, _ in SLIPPED])
 def test_each_slip_is_named_by_its_code(kind: str, fn: Fn, code: str) -> None:
     report = check_attention(fn, kind=kind)
     assert not report.ok
@@ -238,6 +263,10 @@ def test_every_function_code_has_a_buggy_function_here() -> None:
 
     tested = {code for _, _, code in SLIPPED} | {"masked-row-nan", "unbatched"}
     tested |= {code for _, _, code, _ in NEW_SLIPS}
+    # the slips of attention classes (issue 35): test_module.py and test_real_classes.py
+    from tests.check.test_module import MODULE_SLIPS
+
+    tested |= {code for _, code in MODULE_SLIPS}
     assert tested == set(FUNCTION_DIAGNOSES)
 
 

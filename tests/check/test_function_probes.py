@@ -190,3 +190,34 @@ def test_cli_batched_flag_runs_the_file_in_its_process(
     data = json.loads(capsys.readouterr().out)
     assert data["ok"] is False
     assert [f["diagnosis"] for f in data["findings"]] == ["unbatched"]
+
+
+def test_mask_means_auto_finds_the_functions_convention() -> None:
+    """Issue 35, item 2: the mask convention decided by probing, as for classes."""
+    import numpy as np
+
+    from qkv.check import check_function
+
+    def softmax(s: Any) -> Any:
+        e = np.exp(s - s.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
+
+    def keep01(Q: Any, K: Any, V: Any, mask: Any) -> Any:  # 1 = may attend, as floats
+        return softmax(np.where(mask == 0, -np.inf, Q @ K.T / 4.0)) @ V
+
+    def additive(Q: Any, K: Any, V: Any, mask: Any) -> Any:
+        return softmax(Q @ K.T / 4.0 + mask) @ V
+
+    def true_masked(Q: Any, K: Any, V: Any, mask: Any) -> Any:
+        return softmax(np.where(mask, -np.inf, Q @ K.T / 4.0)) @ V
+
+    def unscaled_additive(Q: Any, K: Any, V: Any, mask: Any) -> Any:
+        return softmax(Q @ K.T + mask) @ V
+
+    for fn in (keep01, additive, true_masked):
+        report = check_function(fn, mask_means="auto")
+        assert not [f for f in report.findings if f.wrong], (fn.__name__, report.text())
+    report = check_function(unscaled_additive, mask_means="auto")
+    assert [f.diagnosis for f in report.findings if f.wrong] == ["unscaled"]
+    # given, the convention is not guessed: True = may attend read as True = masked
+    assert not check_function(true_masked).ok

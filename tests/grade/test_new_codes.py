@@ -86,10 +86,13 @@ def test_a_class_with_every_new_slip_is_graded_slip_by_slip(tmp_path: Path) -> N
         "    return gqa(X, W_q, W_k, W_v, W_o, h, h_kv)\n",
     }
     found: dict[str, str] = {}
+    no_mask = tmp_path / "no-mask.yaml"  # these functions take no mask: nor does the assignment
+    no_mask.write_text("points:\n  mask: 0\n", encoding="utf-8")
     for kind, files in by_kind.items():
         if kind in right:
             files["right.py"] = right[kind]
-        table = _grade(tmp_path / kind, files, "--kind", kind)
+        rubric = ("--rubric", str(no_mask)) if kind == "attention" else ()
+        table = _grade(tmp_path / kind, files, "--kind", kind, *rubric)
         for student, (score, max_score, status, first, slips) in table.items():
             if student == "right":
                 assert (status, score) == ("ok", max_score), (kind, table[student])
@@ -140,7 +143,13 @@ def test_attention_classes_are_graded_with_kind_module(tmp_path: Path) -> None:
         "unscaled.py": _MODULE_RIGHT.replace(" / SCALE", ""),
         "no_class.py": "def attention(Q, K, V):\n    return V\n",
     }
-    table = _grade(tmp_path / "modules", files, "--kind", "module", "--class", "MultiHeadAttention")
+    no_mask = tmp_path / "no-mask.yaml"  # forward(x): the assignment has no mask part
+    no_mask.write_text("points:\n  mask: 0\n", encoding="utf-8")
+    table = _grade(
+        tmp_path / "modules",
+        files,
+        *("--kind", "module", "--class", "MultiHeadAttention", "--rubric", str(no_mask)),
+    )
     assert table["right"] == ["6", "6", "ok", "", ""]
     assert table["unscaled"] == ["5", "6", "slip", "unscaled", "unscaled"]
     score, max_score, status, first, _ = table["no_class"]

@@ -2,7 +2,7 @@
 (issue 24, item 2; issue 26): each run is ``qkv`` in a child process with 2 GiB of address
 space and a time limit (:func:`run_qkv`), so that a failure cannot take the test run down,
 and the levels of isolation this machine allows (:data:`LEVELS`: ``make test`` installs
-bubblewrap; ``namespaces`` and ``process`` are asked for by name).
+bubblewrap; ``namespaces`` is asked for by name).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ LEVELS = [
         level,
         marks=pytest.mark.skipif(not available(level), reason=f"no {level} isolation here"),
     )
-    for level in ("bubblewrap", "namespaces", "process")
+    for level in ("bubblewrap", "namespaces")
 ]
 
 

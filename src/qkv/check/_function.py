@@ -11,9 +11,10 @@ code: :mod:`~qkv.check._function_file`), and :func:`check_module` and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,13 +26,14 @@ from qkv.check._function_file import run_file
 from qkv.check._function_run import (
     ARRAYS,
     FunctionError,
+    run_module_probes,
     run_probes,
     student_text,
     takes_mask,
     validate,
 )
-from qkv.check._module_adapt import ModuleError, adapt_class
-from qkv.check._probes import KV_HEADS, Spec
+from qkv.check._module_adapt import ModuleError, ModuleFunction, adapt_class
+from qkv.check._probes import HEAD, KV_HEADS, Spec
 from qkv.check._sandbox import ISOLATIONS
 
 __all__ = [
@@ -57,7 +59,7 @@ class FunctionReport(ReportData):
         about: a class (``--module``): how it was driven (its forward and projections).
         file_error: a file's own errors (a top-level statement that failed), one line.
         isolation: for a ``FILE.py:NAME``, the isolation its code ran in (``bubblewrap``,
-            ``namespaces`` or ``process``: docs/check-function.md); None for a function
+            or ``namespaces``: docs/isolation.md); None for a function
             checked in this process.
         with_mask: whether the function took a mask (kind attention with a fourth argument),
             so that its probes included masked keys (not part of the JSON).
@@ -224,6 +226,10 @@ def check_function(
 
     ``batched`` adds a probe with leading (B, H) axes: a function right on (L, d) inputs but
     not on (B, H, L, d) ones is then a mistake, ``unbatched`` (kinds attention and causal).
+    ``mask_means``: what the mask means (``allow``: True = may attend, ``ignore``, or
+    ``additive``), or ``auto``: the convention the function reads, found by probing
+    (booleans either way, 0/1, or 0/−inf added; a function that attends exactly the masked
+    keys is then taken to mean True = masked).
     ``num_kv_heads`` (kind multi-head): grouped-query attention with the multi-head
     signature, W_k and W_v for that many key/value heads.
 
@@ -269,7 +275,7 @@ def check_function_file(
     Loading the file runs its code, as ``python FILE.py`` would: it runs in a fresh
     temporary folder, with a scrubbed environment and resource limits, and nothing it starts
     outlives the check; ``isolation`` (``auto``: the strongest available, or
-    ``bubblewrap``, ``namespaces``, ``process``) says how far it is kept from the rest of
+    ``bubblewrap``, ``namespaces``) says how far it is kept from the rest of
     the machine (docs/check-function.md). A top-level statement that fails (a notebook
     exported to a file) is noted in ``file_error`` and the rest runs. ``batched`` and
     ``num_kv_heads`` as in :func:`check_function`.
@@ -312,30 +318,57 @@ _CAUSAL = {None: "module", True: "module-causal", False: "module-not-causal"}
 
 
 def _module_kind(kind: str, causal: bool) -> str:
-    return f"module: {kind}{', causal' if causal else ''}"
+    shown = "attention, one head" if kind == HEAD else kind
+    return f"module: {shown}{', causal' if causal else ''}"
 
 
 def check_module(
-    cls: type, *, causal: bool | None = None, name: str | None = None
+    cls: type, *, causal: bool | None = None, name: str | None = None, kind: str | None = None
 ) -> FunctionReport:
     """Check an attention class (an ``nn.Module``) in this process: which slip it makes.
 
-    The class is built with d_model 16 and 4 or 2 heads, its four projections are set from
-    the multi-head probes, and ``forward`` runs in float64 in eval mode
+    The class is built with d_model 16 and 4 or 2 heads, its projections (found by their
+    use) are set from the multi-head probes, and ``forward`` runs in float64 in eval mode
     (:mod:`~qkv.check._module_adapt` says which constructors, projections and forward
-    signatures it understands). ``causal``: check it as causal attention; None: as the
-    class says (its name, or a triangular mask buffer).
+    signatures it understands). A forward that takes a mask gets masked probes, in the
+    convention it reads (found by probing); one that takes the queries apart from the keys
+    and values gets cross-attention probes too. A single head without an output projection
+    is checked as one head (``kind="attention"`` asks for that; None: as the class is).
+    ``causal``: check it as causal attention; None: as the class says (its name, or a
+    triangular mask buffer).
+
+    Example:
+        >>> import torch
+        >>> class Head(torch.nn.Module):
+        ...     def __init__(self, n_embd, head_size):
+        ...         super().__init__()
+        ...         self.key = torch.nn.Linear(n_embd, head_size, bias=False)
+        ...         self.query = torch.nn.Linear(n_embd, head_size, bias=False)
+        ...         self.value = torch.nn.Linear(n_embd, head_size, bias=False)
+        ...     def forward(self, x):
+        ...         k, q, v = self.key(x), self.query(x), self.value(x)
+        ...         wei = q @ k.transpose(-2, -1) * x.shape[-1] ** -0.5  # C, not head_size
+        ...         return torch.softmax(wei, dim=-1) @ v
+        >>> [f.diagnosis for f in check_module(Head).findings]
+        ['head-scaled-by-width']
 
     Raises:
-        FunctionError: the class cannot be built, its projections found, or forward called.
+        FunctionError: the class cannot be built, its projections found, or forward called,
+            or it is not of ``kind``.
     """
     try:
         driven = adapt_class(cls, causal=causal)
     except ModuleError as exc:  # the class's own names and texts: escaped
         raise FunctionError(student_text(str(exc), 1000)) from None
-    _, outcomes = run_probes(driven.fn, driven.kind, array="numpy")
-    spec = Spec(driven.kind, causal=driven.causal)
+    if kind is not None and (kind == "attention") != (driven.kind == HEAD):
+        raise FunctionError(_kind_mismatch(kind, driven.kind))
+    spec = module_spec(_fields(driven))
+    try:
+        how, outcomes = run_module_probes(driven.fn, spec)
+    except FunctionError as exc:
+        raise FunctionError(student_text(str(exc), 1000)) from None
     findings = diagnose(spec, outcomes)
+    about = driven.about + (f"; {how}" if how else "")
     return FunctionReport(
         name=name or str(getattr(cls, "__qualname__", repr(cls))),
         source=None,
@@ -343,7 +376,68 @@ def check_module(
         findings=tuple(findings),
         kind=_module_kind(driven.kind, driven.causal),
         array="torch float64",
-        about=driven.about,
+        about=student_text(about, 1000),
+        with_mask=spec.masked,
+    )
+
+
+_MODULE_KINDS = ("multi-head", "gqa", HEAD)
+_LARGEST = 1024  # the widest input and head a class is probed with
+
+
+def module_spec(fields: Mapping[str, Any]) -> Spec:
+    """What an attention class is checked as, from the scalar fields of
+    :func:`~qkv.check._module_adapt.adapt_class`'s answer (``kind``, ``causal``,
+    ``takes_mask``, ``cross``, ``width``, ``head_size``), which may come from the student's
+    process: each is checked (type, range) before it is used.
+
+    Raises:
+        FunctionError: a field that is not what the adapter sends.
+    """
+
+    def flag(name: str) -> bool:
+        value = fields.get(name, False)
+        if not isinstance(value, bool):
+            raise FunctionError(f"the class adapter's {name} is not true or false")
+        return value
+
+    def size(name: str, default: int) -> int:
+        value = fields.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _LARGEST:
+            raise FunctionError(f"the class adapter's {name} is not a size up to {_LARGEST}")
+        return value or default
+
+    kind = fields.get("kind")
+    if kind not in _MODULE_KINDS:
+        raise FunctionError("the class adapter's kind is not one it gives")
+    return Spec(
+        str(kind),
+        with_mask=flag("takes_mask"),
+        causal=flag("causal"),
+        cross=flag("cross"),
+        width=size("width", 16),
+        head_size=size("head_size", 8),
+    )
+
+
+def _fields(driven: ModuleFunction) -> dict[str, Any]:
+    return {f.name: getattr(driven, f.name) for f in dataclasses.fields(driven) if f.name != "fn"}
+
+
+def _probe_class(proxy: Callable[..., Any], fields: dict[str, Any]) -> tuple[str, list[Any]]:
+    """The probes of a class run in the student's process (``run_file``'s module_probes)."""
+    return run_module_probes(proxy, module_spec(fields))
+
+
+def _kind_mismatch(kind: str, driven: str) -> str:
+    if driven == HEAD:
+        return (
+            "the class is a single head without an output projection, not multi-head "
+            "attention. Hint: check it with kind attention (--kind attention)"
+        )
+    return (
+        "kind attention is a single head without an output projection, and the class has "
+        "one. Hint: leave the kind out, or give multi-head (--kind multi-head)"
     )
 
 
@@ -353,14 +447,17 @@ def check_module_file(
     causal: bool | None = None,
     timeout: float = 20.0,
     isolation: str = "auto",
+    kind: str | None = None,
 ) -> FunctionReport:
     """Check the attention class ``FILE.py:ClassName`` in a sandboxed process with a time
     limit (as :func:`check_module`; loading the file runs its code, kept as in
-    :func:`check_function_file`).
+    :func:`check_function_file`). ``kind="attention"``: it must be a single head without
+    an output projection; ``"multi-head"``: it must have one.
 
     Raises:
         FunctionError: the file cannot be run, the class built or driven, the process
-            crashed, hit a limit, or did not finish within ``timeout`` seconds.
+            crashed, hit a limit, or did not finish within ``timeout`` seconds; or the
+            class is not of ``kind``.
         ValueError: an unknown or unavailable isolation, or a timeout that is not a
             positive finite number.
     """
@@ -372,8 +469,13 @@ def check_module_file(
         timeout=timeout,
         adapt=_CAUSAL[causal],
         isolation=isolation,
+        module_probes=_probe_class,
     )
-    findings = diagnose(Spec(run.kind, causal=run.causal), run.outcomes)
+    if kind is not None and (kind == "attention") != (run.kind == HEAD):
+        raise FunctionError(_kind_mismatch(kind, run.kind))
+    spec = module_spec(run.adapter)
+    findings = diagnose(spec, run.outcomes)
+    how = f"; {run.array}" if run.array else ""
     return FunctionReport(
         name=f"{run.name} in {run.path}",
         source=str(run.path),
@@ -381,7 +483,8 @@ def check_module_file(
         findings=tuple(findings),
         kind=_module_kind(run.kind, run.causal),
         array="torch float64",
-        about=run.about,
+        about=run.about + student_text(how, 1000),
         file_error=run.file_error,
         isolation=run.isolation,
+        with_mask=spec.masked,
     )

@@ -61,13 +61,38 @@ def _both(
     normalise: str = "softmax",
     swap: bool = False,
     after_softmax: bool = False,
+    fill: str = "-inf",
 ) -> tuple[SlipVariant, SlipVariant]:
     """The same slip for single-head and multi-head functions (``scale``: none or dk)."""
-    common = {"rule": rule, "normalise": normalise, "swap": swap, "after_softmax": after_softmax}
+    common = {
+        "rule": rule,
+        "normalise": normalise,
+        "swap": swap,
+        "after_softmax": after_softmax,
+        "fill": fill,
+    }
     return (
         SlipVariant(single(scale=scale or "sqrt", **common)),  # type: ignore[arg-type]
         SlipVariant(multi(scale=scale or "head", **common)),  # type: ignore[arg-type]
     )
+
+
+def _mask_argument(maker: SlipMaker) -> SlipMaker:
+    """A slip of an attention class that takes a mask argument (not the causal rule)."""
+
+    def make(spec: Spec) -> Slip | None:
+        return maker(spec) if spec.with_mask and not spec.causal else None
+
+    return make
+
+
+def _cross_only(maker: SlipMaker) -> SlipMaker:
+    """A slip that shows only in cross-attention (an attention class's forward(q, k, v))."""
+
+    def make(spec: Spec) -> Slip | None:
+        return maker(spec) if spec.cross else None
+
+    return make
 
 
 _HIDDEN = "Here the diagonal is hidden: query i sees keys 0 … i − 1, and the first sees none."
@@ -106,6 +131,21 @@ CODES: tuple[FunctionCode, ...] = (
         (SlipVariant(multi(scale="heads")),),
     ),
     FunctionCode(
+        "head-scaled-by-width",
+        "one head's scores are divided by √(the model's width C, the size of x's last axis) "
+        "instead of √head_size: the scale belongs to the head, k.shape[-1] ** -0.5",
+        (SlipVariant(multi(scale="width", heads="one")),),
+    ),
+    FunctionCode(
+        "qk-not-transposed",
+        "Q·K instead of Q·Kᵀ: did you mean Q·Kᵀ? The scores are each query's dot products "
+        "with every key: Q @ K.T (NumPy), Q @ K.transpose(-2, -1) (torch)",
+        (
+            SlipVariant(single(transpose=False)),
+            SlipVariant(multi(transpose=False)),
+        ),
+    ),
+    FunctionCode(
         "transposed-weights",
         "X·Wᵀ instead of X·W: with row vectors, Q = X·W_q (the same for K, V and the output W_o)",
         (
@@ -133,7 +173,40 @@ CODES: tuple[FunctionCode, ...] = (
         _both(swap=True),
     ),
     FunctionCode("sum-normalised", DIAGNOSES["sum-normalised"], _both(normalise="sum")),
+    FunctionCode(
+        "mask-not-applied",
+        "the mask changes nothing: the masked scores are computed but never used. "
+        "masked_fill returns a new tensor: assign it (scores = scores.masked_fill(...)) or "
+        "use masked_fill_, and pass the mask on to where the scores are made",
+        (SlipVariant(_mask_argument(multi(rule=IGNORED))),),
+    ),
     FunctionCode("mask-ignored", DIAGNOSES["mask-ignored"], _both(rule=IGNORED)),
+    FunctionCode(
+        "mask-filled-with-zero",
+        "the masked scores are set to 0 (or a tiny number such as 1e-9) before the softmax, "
+        "and exp(0) = 1 still weights every masked key: set them to −inf (or a large "
+        "negative number such as -1e9)",
+        _both(fill="zero"),
+    ),
+    FunctionCode(
+        "mask-filled-with-inf",
+        "the masked scores are set to +inf instead of −inf, so each row with a masked key "
+        "is NaN after the softmax (inf − inf): use float('-inf')",
+        _both(fill="+inf"),
+    ),
+    FunctionCode(
+        "cross-mask-misaligned",
+        "in cross-attention (fewer queries than keys) the causal mask is misaligned: query i "
+        "sees the keys 0 … i, the mask's rows and columns both counted from the start "
+        "(mask[:Lq, :Lk])",
+        (
+            SlipVariant(
+                _cross_only(multi(rule=OTHER_CORNER)),
+                "Here the causal rule was aligned at the bottom-right corner (query i sees "
+                "keys 0 … i + Lk − Lq) where the top-left one was meant.",
+            ),
+        ),
+    ),
     FunctionCode(
         "mask-inverted",
         DIAGNOSES["mask-inverted"],

@@ -21,11 +21,21 @@ from qkv._format import number
 from qkv.check._findings import Finding
 from qkv.check._function_codes import FUNCTION_DIAGNOSES, Tried, slips_of
 from qkv.check._function_run import Outcome
-from qkv.check._probes import ORDER_SCORES, Probe, Spec, causal_allow, per_slice, probes
+from qkv.check._probes import ORDER_SCORES, Probe, Spec, causal_allow, per_slice, probes_of
 
 __all__ = ["FUNCTION_DIAGNOSES", "diagnose"]
 
 Array = NDArray[np.float64]
+
+# The judge's own references to the NumPy functions it compares with, bound when qkv is
+# imported: a student's function that replaces np.allclose (say) changes no verdict.
+_allclose = np.allclose
+_isclose = np.isclose
+_isfinite = np.isfinite
+_isnan = np.isnan
+_isposinf = np.isposinf
+_abs = np.abs
+_any = np.any
 
 _RTOL = 1e-4
 _ATOL = 1e-6
@@ -49,11 +59,14 @@ def _agrees(
     want = expected[1] if weights else expected[0]
     if value.shape != want.shape:
         return False
-    finite = np.isfinite(want)
-    scale = float(np.abs(want[finite]).max()) if finite.any() else 1.0
+    spoilt = _isposinf(want)  # a slip's NaN rows (+inf filled): must not be numbers here
+    if bool(_any(spoilt)) and bool(_any(_isfinite(value[spoilt]))):
+        return False
+    finite = _isfinite(want)
+    scale = float(_abs(want[finite]).max()) if finite.any() else 1.0
     with np.errstate(invalid="ignore"):
         return bool(
-            np.allclose(value[finite], want[finite], rtol=rtol, atol=rtol * 0.01 * max(scale, 1.0))
+            _allclose(value[finite], want[finite], rtol=rtol, atol=rtol * 0.01 * max(scale, 1.0))
         )
 
 
@@ -67,8 +80,8 @@ def _slipped(slip: Callable[[Probe], tuple[Array, Array]], p: Probe) -> tuple[Ar
 def _first_wrong_row(got: Array, want: Array) -> int:
     for i in range(min(len(got), len(want))):
         g, w = np.atleast_1d(got[i]), np.atleast_1d(want[i])
-        finite = np.isfinite(w)
-        if g.shape != w.shape or not np.allclose(g[finite], w[finite], rtol=_RTOL, atol=_ATOL):
+        finite = _isfinite(w)
+        if g.shape != w.shape or not _allclose(g[finite], w[finite], rtol=_RTOL, atol=_ATOL):
             return i
     return 0
 
@@ -133,7 +146,7 @@ def _finding(
         diagnosis=code,
         message=message,
         marks=tuple(
-            "ok" if np.isclose(c, e, rtol=_RTOL, atol=_ATOL) else "wrong"
+            "ok" if _isclose(c, e, rtol=_RTOL, atol=_ATOL) else "wrong"
             for c, e in zip(claimed, expected, strict=False)
         ),
     )
@@ -165,7 +178,7 @@ def _not_softmax(probe: Probe, got: Outcome, allow: NDArray[np.bool_]) -> bool:
     """On the probe with known scores and V = I: rows of weights that sum to 1 but are no
     softmax of the scores (out of order, or not in the ratios e^(s_j − s_k) for any scale)."""
     w = got.context
-    if w is None or w.shape != ORDER_SCORES.shape or not np.isfinite(w).all():
+    if w is None or w.shape != ORDER_SCORES.shape or not _isfinite(w).all():
         return False
     for row, keep in zip(w, allow, strict=True):
         if keep.any() and (abs(row.sum() - 1.0) > 1e-4 or (row < -1e-9).any()):
@@ -177,7 +190,7 @@ def _not_softmax(probe: Probe, got: Outcome, allow: NDArray[np.bool_]) -> bool:
         if (y <= 0).any():
             return True
         slope, icpt = np.polyfit(x, np.log(y), 1)
-        if slope <= 0 or not np.allclose(np.exp(slope * x + icpt), y, rtol=1e-3, atol=1e-6):
+        if slope <= 0 or not _allclose(np.exp(slope * x + icpt), y, rtol=1e-3, atol=1e-6):
             return True
     return False
 
@@ -195,7 +208,7 @@ def _changed(first: Outcome, again: Outcome) -> int | None:
         return None
     a, b = first.context, again.context
     with np.errstate(invalid="ignore"):
-        same = np.isclose(a, b, rtol=1e-9, atol=1e-12) | (np.isnan(a) & np.isnan(b))
+        same = _isclose(a, b, rtol=1e-9, atol=1e-12) | (_isnan(a) & _isnan(b))
     if same.all():
         return None
     return int(np.argwhere(~same)[0][0]) if a.ndim >= 1 else 0
@@ -206,9 +219,9 @@ def _overflows(got: Outcome, base: Outcome, want: tuple[Array, Array]) -> int | 
     same row is a number at ordinary scores (a row with no allowed key is NaN at any scale:
     that is no overflow)."""
     assert got.context is not None
-    bad = ~np.isfinite(got.context) & np.isfinite(want[0])
+    bad = ~_isfinite(got.context) & _isfinite(want[0])
     if base.context is not None and base.context.shape == got.context.shape:
-        bad &= np.isfinite(base.context)
+        bad &= _isfinite(base.context)
     return int(np.argwhere(bad)[0][0]) if bad.any() else None
 
 
@@ -224,9 +237,7 @@ def diagnose(
             depends on the number of axes (``scaled-by-ndim``) sees 4.
         batched: the probes include the batched one.
     """
-    all_probes = probes(
-        spec.kind, with_mask=spec.with_mask, batched=batched, num_kv_heads=spec.num_kv_heads
-    )
+    all_probes = probes_of(spec, batched=batched)
     if lifted:
         all_probes = tuple(dataclasses.replace(p, seen_ndim=4) for p in all_probes)
     for i, probe in enumerate(all_probes):
@@ -263,9 +274,11 @@ def diagnose(
                 if _not_softmax(all_probes[i], outcomes[i], _order_allow(spec, all_probes[i])):
                     code = "not-softmax"
         j, i = next((j, i) for j, i in enumerate(main) if not _agrees(outcomes[i], expected[0][j]))
-        findings.append(
-            _finding(code, all_probes[i], outcomes[i], expected[0][j], extra=tried[chosen].detail)
-        )
+        extra = tried[chosen].detail
+        if code == "qk-not-transposed":  # shown where it ran: the probe with Lk = d_k
+            j, i = next((j, i) for j, i in enumerate(main) if outcomes[i].error is None)
+            extra = "On the other probes it raised a shape error."
+        findings.append(_finding(code, all_probes[i], outcomes[i], expected[0][j], extra=extra))
     elif not spec.multi:
         findings += _weights_findings(all_probes, outcomes, main, tried, expected)
     slip = tried[chosen].slip
@@ -303,7 +316,7 @@ def diagnose(
                 continue
             assert probe.allow is not None and got.context is not None
             empty = ~probe.allow.any(axis=-1)
-            if got.context.ndim == 2 and not np.isfinite(got.context[empty]).all():
+            if got.context.ndim == 2 and not _isfinite(got.context[empty]).all():
                 row = int(np.flatnonzero(empty)[0])
                 findings.append(
                     _finding(
@@ -314,7 +327,8 @@ def diagnose(
                         status="note",
                         row=row,
                         extra="Fine if your course allows it; to follow qkv, give such a row "
-                        "zero weights (e.g. torch.nan_to_num on the weights).",
+                        "zero weights (nan_to_num on the weights: np.nan_to_num for NumPy "
+                        "arrays, torch.nan_to_num for tensors).",
                     )
                 )
     return findings

@@ -1,65 +1,65 @@
 """A student's ``FILE.py:NAME`` on the probes of ``qkv check --function`` (or, for
-``--module``, an attention class driven as a function), run sandboxed.
+``--module``, an attention class driven as a function), run sandboxed, judged here.
 
-Loading a file runs its code, and a student's code is hostile by default: :func:`run_file`
-runs it in :func:`~qkv.check._sandbox.run_sandboxed`'s child, where :func:`child_main` runs
-the file (statement by statement, as a notebook exported to a file:
-:mod:`~qkv.check._student_file`), builds the class when ``--module`` asked for one
-(:mod:`~qkv.check._module_adapt`), calls the function on the probes (the repeated probe of
-``dropout-at-inference`` included) and writes what it returned as JSON to the result
-file. Back here that file is read like any untrusted file (size, JSON, then every field's
-type, length and shape, :func:`outcomes_from`), and a child that crashed, ran out of time or
-hit a limit becomes one :class:`~qkv.check._function_run.FunctionError` line.
+Loading a file runs its code, and a student's code is hostile by default. :func:`run_file`
+starts the student's process (:func:`~qkv.check._sandbox.start`), which holds nothing of
+qkv: the runner :mod:`~qkv.check._student_main` runs the file there (statement by statement,
+as a notebook exported to a file: :mod:`~qkv.check._student_file`), builds the class when
+``--module`` asked for one (:mod:`~qkv.check._module_adapt`), and calls it on what this
+process sends. This process is the judge: a **proxy** of the student's function (its
+signature from the runner; calling it sends the arguments over the channel,
+:mod:`~qkv.check._channel`, and returns the arrays that come back, or raises the student's
+exception by name) goes through :func:`~qkv.check._function_run.run_probes` here, and the
+diagnosis runs on what it returned. Nothing the student's code does in its process can write
+a verdict, reach the probes' reference or import qkv.
+
+The time limit counts the student's code only: the file's loading and every call, measured
+here from each request to its reply; the process's start (Python, NumPy, torch) has its own
+bound (:data:`~qkv.check._sandbox.STARTUP_SECONDS`). A process that crashed, ran out of time,
+hit a limit or sent something the runner does not send becomes one
+:class:`~qkv.check._function_run.FunctionError` line.
 """
 
 from __future__ import annotations
 
-import io
-import json
+import inspect
 import math
-import os
 import signal
-import sys
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
-from qkv._read import FileLimitError, json_value, size_text
-from qkv.check._function_run import (
-    FunctionError,
-    Outcome,
-    run_probes,
-    student_text,
-    takes_mask,
-)
-from qkv.check._probes import probes
-from qkv.check._sandbox import Finished, Limits, run_sandboxed
-from qkv.check._student_file import StudentFileError, run_student_file
+from qkv._read import size_text
+from qkv.check._channel import Channel, ChannelError, Clock
+from qkv.check._function_run import FunctionError, Outcome, run_probes, student_text, takes_mask
+from qkv.check._sandbox import STARTUP_SECONDS, Finished, Limits, Sandbox, cpu_seconds, start
 
 __all__ = [
-    "ChildResult",
+    "MAX_TIMEOUT",
     "FileRun",
+    "ModuleProbes",
+    "Scalar",
     "check_timeout",
-    "child_main",
-    "load_function",
-    "outcomes_from",
     "run_file",
     "split_target",
 ]
 
-_OUTPUT_KEPT = 64 << 10  # bytes of each of the student's stdout and stderr kept in the files
-_RESULT_LIMIT = 4 << 20
-_ARRAY_LIMIT = 100_000  # numbers in one returned array (the probes' outputs have ≤ 108)
-_HINT = "Hint: the checked code may have written to the result file; look for that in it"
-_LIBRARIES = ("numpy", "torch", "numpy (1, 1, L, d)", "torch (1, 1, L, d)")
-
-
+MAX_TIMEOUT = 24 * 3600.0
+"""The longest time limit accepted, seconds (a day)."""
+_TEXT_LIMIT = 300  # characters of 'about', 'file_error' and the adapter's texts kept
 _ADAPT = {"": None, "module": None, "module-causal": True, "module-not-causal": False}
 """What ``run_file``'s ``adapt`` may be: '' for a function, else a class and whether to
 check it as causal (None: as the class says)."""
+
+Scalar = str | bool | int | float | None
+ModuleProbes = Callable[[Callable[..., Any], dict[str, Scalar]], tuple[str, list[Outcome]]]
+"""Probes a driven class (its proxy, the adapter's fields): the library's words and the
+outcomes."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,8 @@ class FileRun:
         causal: a class: whether it is checked as causal attention.
         about: a class: how it was driven (its forward and projections), escaped.
         file_error: the file's own errors, as one escaped line, or None.
+        adapter: a class: every field of the adapter's result but its function (JSON
+            scalars; texts escaped and cut to 300 characters).
     """
 
     path: Path
@@ -88,13 +90,19 @@ class FileRun:
     causal: bool = False
     about: str = ""
     file_error: str | None = None
+    adapter: dict[str, Scalar] = field(default_factory=dict)
 
 
 def check_timeout(timeout: object) -> float:
-    """``timeout`` as seconds, after checking that it is a positive finite number.
+    """``timeout`` as seconds, after checking that it is a positive finite number of at most
+    a day.
 
     Raises:
-        ValueError: zero, negative, infinite, NaN or not a number.
+        ValueError: zero, negative, infinite, NaN, more than a day, or not a number.
+
+    Example:
+        >>> check_timeout(20)
+        20.0
     """
     if isinstance(timeout, bool) or not isinstance(timeout, int | float):
         raise ValueError(
@@ -104,6 +112,11 @@ def check_timeout(timeout: object) -> float:
         raise ValueError(
             f"timeout must be a positive finite number of seconds, got {timeout!r}. Hint: "
             "timeout=20 (a student's code that hangs is stopped after it)"
+        )
+    if timeout > MAX_TIMEOUT:
+        raise ValueError(
+            f"timeout must be a positive finite number of seconds of at most {MAX_TIMEOUT:g} "
+            f"(a day), got {timeout!r}. Hint: timeout=20"
         )
     return float(timeout)
 
@@ -127,107 +140,199 @@ def split_target(target: str) -> tuple[Path, str]:
     return Path(path), name
 
 
-def load_function(
-    path: Path, name: str, what: str = "function"
-) -> tuple[Callable[..., Any], str | None]:
-    """Run ``path`` (this runs its code) and return its function (or class) ``name``, with the
-    file's own errors as one line, or None (:func:`~qkv.check._student_file.run_student_file`:
-    a top-level statement that fails is noted and the next one runs, as in a notebook
-    exported to a file).
+class _Stop(BaseException):
+    """Ends the probing at once, as no slip of the function: the student's time is up, its
+    process ended, or it sent what the runner does not send. A BaseException, so that
+    :func:`~qkv.check._function_run.run_probes`' ``except Exception`` around each call lets
+    it through."""
 
-    Raises:
-        FunctionError: the file cannot be run, or has no callable ``name``.
-    """
+    def __init__(self, error: ChannelError) -> None:
+        super().__init__(error.why)
+        self.error = error
+
+
+class _Unsendable(BaseException):
+    """An argument of a type the channel does not carry: qkv's own bug, never the
+    student's (a BaseException, so that no probe turns it into the function's error)."""
+
+
+class _Unknown:
+    """A parameter's default that is no JSON scalar (the runner sends only those)."""
+
+    def __repr__(self) -> str:
+        return "…"
+
+
+_UNKNOWN = _Unknown()
+_CLASS_KINDS = ("multi-head", "gqa", "head")
+"""The kinds the class adapter may answer."""
+_PARAMETER_KINDS = {kind.name: kind for kind in inspect._ParameterKind}
+_SENT_DTYPES = {"float64", "float32", "int64", "bool"}
+
+
+class _Judge:
+    """The judge's side of one run: the channel and the student's clock."""
+
+    def __init__(self, box: Sandbox, timeout: float, loading: str) -> None:
+        self.channel = Channel(box.requests, box.replies, box.ended)
+        self.clock = Clock(timeout)
+        self.loading = loading  # what the load request times, in words
+
+    def ready(self) -> None:
+        header, arrays = self.channel.receive(time.monotonic() + STARTUP_SECONDS)
+        if header != {"ready": True, "arrays": []} or arrays:
+            raise ChannelError("garbage", "not the runner's first message")
+
+    def ask(
+        self, header: dict[str, Any], arrays: list[NDArray[Any]]
+    ) -> tuple[dict[str, Any], list[NDArray[np.float64]]]:
+        """Send a request and read its reply: the time between is the student's."""
+        began = time.monotonic()
+        deadline = began + self.clock.left()
+        try:
+            self.channel.send(header, arrays, deadline)
+            return self.channel.receive(deadline)
+        finally:
+            self.clock.used += time.monotonic() - began
+
+
+def _encode(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[dict[str, Any], list[NDArray[Any]]]:
+    """A call's request: its arguments as JSON scalars or arrays tagged with their library."""
+    arrays: list[NDArray[Any]] = []
+
+    def one(value: Any) -> Any:
+        if value is None or isinstance(value, (bool, str, np.bool_)):
+            return value if not isinstance(value, np.bool_) else bool(value)
+        if isinstance(value, (int, np.integer)):
+            return int(value)
+        if isinstance(value, (float, np.floating)):
+            number = float(value)
+            return number if math.isfinite(number) else {"float": repr(number)}
+        if isinstance(value, np.ndarray):
+            library, array = "numpy", value
+        elif hasattr(value, "detach") and type(value).__module__.startswith("torch"):
+            library, array = "torch", value.detach().cpu().numpy()
+        else:
+            raise _Unsendable(
+                f"qkv cannot send {type(value).__name__} to the student's process (a bug of "
+                "qkv's: the channel carries None, bool, int, float, str and arrays)"
+            )
+        if array.dtype.name not in _SENT_DTYPES:
+            kind = array.dtype.kind
+            array = array.astype(np.int64 if kind in "iu" else np.float64)
+        arrays.append(np.ascontiguousarray(array))
+        return {"array": len(arrays) - 1, "library": library}
+
+    header = {
+        "op": "call",
+        "args": [one(a) for a in args],
+        "kwargs": {str(k): one(v) for k, v in kwargs.items()},
+    }
+    return header, arrays
+
+
+def _garbage(detail: str) -> _Stop:
+    return _Stop(ChannelError("garbage", detail))
+
+
+def _returned(reply: dict[str, Any], arrays: list[NDArray[np.float64]]) -> Any:
+    """What the student's function returned, from the runner's reply; its exception raised."""
+    keys = set(reply) - {"arrays"}
+    if keys in ({"items"}, {"items", "container"}):
+        items = reply["items"]
+        if items is None and keys == {"items"} and len(arrays) == 1:
+            return arrays[0]
+        container = reply.get("container")
+        if isinstance(items, int) and items == len(arrays) >= 1 and container in ("tuple", "list"):
+            return tuple(arrays) if container == "tuple" else list(arrays)
+        raise _garbage("a return whose arrays do not match its header")
+    if arrays:
+        raise _garbage("arrays with a reply that holds none")
+    if keys == {"returned"} and isinstance(reply["returned"], str):
+        return _opaque(reply["returned"])
+    if keys == {"too_large"} and isinstance(reply["too_large"], list):
+        shape = reply["too_large"]
+        if len(shape) <= 32 and all(isinstance(n, int) and not isinstance(n, bool) for n in shape):
+            # named so that run_probes says "returned an array of shape (...): larger ..."
+            name = f"returned an array of shape {tuple(shape)}"
+            raise type(name, (Exception,), {})("larger than any probe's output")
+    if keys == {"raised", "message"} and isinstance(reply["message"], str):
+        name = reply["raised"]
+        if not (isinstance(name, str) and name.isidentifier()):
+            name = "Exception"
+        raise type(name, (Exception,), {"__module__": "student"})(reply["message"][:2000])
+    raise _garbage("a reply the runner does not send")
+
+
+def _opaque(name: str) -> object:
+    """An object of a class named ``name``: not an array, as what the student returned."""
     try:
-        module, file_error = run_student_file(path)
-    except StudentFileError as exc:
-        raise FunctionError(str(exc)) from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        shown = student_text(str(path))
-        ran = f"; running it: {file_error}" if file_error else ""
-        raise FunctionError(
-            f"{shown}: no {what} named {name!r}{ran}. Hint: give FILE.py:NAME with the name of "
-            f"the {what} after the colon, and run 'python {shown}' to see the file's errors"
-        )
-    return fn, file_error
+        return type(name[:200] or "object", (), {})()
+    except (TypeError, ValueError):  # a name with a NUL character
+        return object()
 
 
-class _Kept(io.TextIOBase):
-    """A text stream that writes the first ``budget`` bytes to ``fd`` and drops the rest, so
-    that printing a lot neither fails nor fills the disk."""
-
-    def __init__(self, fd: int, budget: int) -> None:
-        self._fd = fd
-        self._left = budget
-
-    def write(self, text: str) -> int:
-        data = text.encode("utf-8", errors="replace")[: self._left]
-        self._left -= len(data)
-        while data:
-            data = data[os.write(self._fd, data) :]
-        return len(text)
-
-    def writable(self) -> bool:
-        return True
-
-    def fileno(self) -> int:
-        return self._fd
-
-
-def child_main() -> None:
-    """The sandboxed child: load the file, call the function on the probes, write the JSON
-    result to the file descriptor ``QKV_RESULT_FD``, and end at once (the student's threads
-    and exit hooks must not keep the process alive)."""
-    result = int(os.environ["QKV_RESULT_FD"])
-    os.set_inheritable(result, False)  # nothing the student's code starts inherits it
-    sys.stdout, sys.stderr = _Kept(1, _OUTPUT_KEPT), _Kept(2, _OUTPUT_KEPT)
-    path, name, kind, mask_means, array, batched, kv_heads, adapt, shown = sys.argv[1:10]
+def _signature(params: object) -> inspect.Signature | None:
+    """The student's function's signature from the runner's ``params`` (None: unknown)."""
+    if params is None:
+        return None
+    if not isinstance(params, list) or len(params) > 64:
+        raise _garbage("parameters that are not a short list")
+    parameters = []
+    for entry in params:
+        if not isinstance(entry, dict) or entry.get("kind") not in _PARAMETER_KINDS:
+            raise _garbage("a parameter that is not a name and a kind")
+        name = entry.get("name")
+        default = entry.get("default", _UNKNOWN) if entry.get("has_default") else inspect._empty
+        if isinstance(default, (list, dict)):
+            raise _garbage("a parameter's default that is not a JSON scalar")
+        try:
+            parameters.append(
+                inspect.Parameter(str(name), _PARAMETER_KINDS[entry["kind"]], default=default)
+            )
+        except (TypeError, ValueError):
+            raise _garbage("a parameter that Python does not allow") from None
     try:
-        fn, file_error = load_function(Path(path), name, "class" if adapt else "function")
-        causal, about = False, ""
-        if adapt:
-            from qkv.check._module_adapt import ModuleError, adapt_class
+        return inspect.Signature(parameters)
+    except (TypeError, ValueError):
+        raise _garbage("parameters in an order Python does not allow") from None
 
-            try:
-                driven = adapt_class(fn, causal=_ADAPT[adapt])
-            except ModuleError as exc:
-                raise FunctionError(f"{shown}: {exc}") from None
-            fn, kind, causal, about = driven.fn, driven.kind, driven.causal, driven.about
-        used, outcomes = run_probes(
-            fn,
-            kind,
-            mask_means=mask_means,
-            array=array,
-            batched=batched == "batched",
-            num_kv_heads=int(kv_heads) or None,
+
+def _proxy(judge: _Judge, signature: inspect.Signature | None, name: str) -> Callable[..., Any]:
+    """The student's function as seen here: each call goes to the student's process."""
+
+    def proxy(*args: Any, **kwargs: Any) -> Any:
+        header, arrays = _encode(args, kwargs)
+        judge.clock.calls += 1
+        try:
+            reply, got = judge.ask(header, arrays)
+        except ChannelError as exc:
+            raise _Stop(exc) from None
+        return _returned(reply, got)
+
+    # inspect.signature reads __signature__; one that is no Signature makes it raise, as for
+    # a function whose signature Python cannot tell
+    proxy.__signature__ = "unknown" if signature is None else signature  # type: ignore[attr-defined]
+    proxy.__name__ = proxy.__qualname__ = name
+    return proxy
+
+
+def _scalars(fields: object) -> dict[str, Scalar]:
+    """The adapter's fields: each a JSON scalar, its text escaped and cut."""
+    if not isinstance(fields, dict) or len(fields) > 64:
+        raise _garbage("the adapter's fields are not a short object")
+    checked: dict[str, Scalar] = {}
+    for key, value in fields.items():
+        if not (value is None or isinstance(value, (str, bool, int, float))):
+            raise _garbage("an adapter's field that is not a JSON scalar")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise _garbage("an adapter's field that is not a finite number")
+        checked[student_text(str(key), 60)] = (
+            student_text(value, _TEXT_LIMIT) if isinstance(value, str) else value
         )
-        data: dict[str, Any] = {
-            "array": used,
-            "with_mask": takes_mask(fn, kind),
-            "kind": kind,
-            "causal": causal,
-            "about": about,
-            "file_error": file_error,
-            "outcomes": [
-                {
-                    "context": None if o.context is None else o.context.tolist(),
-                    "weights": None if o.weights is None else o.weights.tolist(),
-                    "error": o.error,
-                }
-                for o in outcomes
-            ],
-        }
-    except FunctionError as exc:
-        data = {"error": str(exc)}
-    encoded = json.dumps(data).encode()
-    while encoded:
-        encoded = encoded[os.write(result, encoded) :]
-    os._exit(0)
-
-
-_CHILD = "import sys; sys.path.insert(0, sys.argv[10]); import qkv.check._function_file as f; "
-_CHILD += "f.child_main()"
+    return checked
 
 
 def run_file(
@@ -241,15 +346,22 @@ def run_file(
     num_kv_heads: int | None = None,
     adapt: str = "",
     isolation: str = "auto",
+    module_probes: ModuleProbes | None = None,
 ) -> FileRun:
-    """Run ``FILE.py:NAME`` on the probes of ``kind`` in the sandbox (the arguments of
-    :func:`~qkv.check._function_run.run_probes`). ``adapt`` = ``"module"`` (or
+    """Run ``FILE.py:NAME`` on the probes of ``kind`` (the arguments of
+    :func:`~qkv.check._function_run.run_probes`): the file and the function in the student's
+    sandboxed process, the probes and the verdict here. ``adapt`` = ``"module"`` (or
     ``"module-causal"``, ``"module-not-causal"``): NAME is an attention class, driven by
-    :func:`~qkv.check._module_adapt.adapt_class` in the sandbox.
+    :func:`~qkv.check._module_adapt.adapt_class` in the student's process; then
+    ``module_probes(fn, fields)``, when given, probes it here instead of ``run_probes``
+    (``fields``: the adapter's scalar fields, as :attr:`FileRun.adapter`; what it returns
+    first becomes :attr:`FileRun.array`). ``timeout`` counts the student's code: the file's
+    loading and every call.
 
     Raises:
         FunctionError: the file or function cannot be loaded or called, the process crashed,
-            hit a limit, or did not finish within ``timeout`` seconds.
+            hit a limit, sent what the runner does not send, or the student's code did not
+            finish within ``timeout`` seconds.
         IsolationError: ``isolation`` is unknown or not available here.
     """
     timeout = check_timeout(timeout)
@@ -257,47 +369,152 @@ def run_file(
         raise ValueError(f"adapt must be one of {', '.join(map(repr, _ADAPT))}, got {adapt!r}")
     path, name = split_target(target)
     shown = student_text(target)
-    source = Path(__file__).resolve().parents[2]
-    command = [
-        "-c", _CHILD, str(path.resolve()), name, kind, mask_means, array,
-        "batched" if batched else "single", str(num_kv_heads or 0), adapt, shown, str(source),
-    ]  # fmt: skip
     limits = Limits()
-    done = run_sandboxed(
-        command,
-        timeout=timeout,
-        isolation=isolation,
-        readable=[path.resolve().parent],
-        limits=limits,
-        result_limit=_RESULT_LIMIT,
-    )
-    if done.timed_out:
-        raise FunctionError(
-            f"{shown}: the function did not finish within {timeout:g} s (an infinite "
-            "loop?). Hint: run it by hand on small inputs, or give a longer time limit"
+    folder = path.resolve().parent
+    with start(timeout=timeout, isolation=isolation, readable=[folder], limits=limits) as box:
+        loading = "loading the file" + (" and driving the class" if adapt else "")
+        judge = _Judge(box, timeout, loading)
+        try:
+            try:
+                judge.ready()
+            except ChannelError as exc:
+                if exc.why == "timeout":
+                    raise FunctionError(
+                        f"{shown}: the sandbox did not start within {STARTUP_SECONDS:g} s: "
+                        "the machine may be overloaded. Hint: grade again when it is less "
+                        "busy, or with fewer jobs at once"
+                    ) from None
+                raise _Stop(exc) from None
+            return _judge(judge, box, path, name, shown, kind, adapt, mask_means, array,
+                          batched, num_kv_heads, module_probes)  # fmt: skip
+        except _Stop as stop:
+            raise FunctionError(_stopped(stop.error, box, judge, shown, path, limits)) from None
+        except _Unsendable as bug:
+            raise RuntimeError(str(bug)) from None
+
+
+def _judge(
+    judge: _Judge,
+    box: Sandbox,
+    path: Path,
+    name: str,
+    shown: str,
+    kind: str,
+    adapt: str,
+    mask_means: str,
+    array: str,
+    batched: bool,
+    num_kv_heads: int | None,
+    module_probes: ModuleProbes | None,
+) -> FileRun:
+    what = "class" if adapt else "function"
+    request: dict[str, Any] = {"op": "load", "path": str(path.resolve()), "name": name}
+    request.update({"adapt": bool(adapt), "causal": _ADAPT[adapt]})
+    try:
+        reply, arrays = judge.ask(request, [])
+    except ChannelError as exc:
+        raise _Stop(exc) from None
+    file_error = reply.get("file_error")
+    if arrays or not (file_error is None or isinstance(file_error, str)):
+        raise _garbage("a load reply with arrays, or a file's error that is not text")
+    escaped = None if file_error is None else student_text(file_error, _TEXT_LIMIT)
+    if "error" in reply:
+        _refuse(reply, shown, path, name, what, escaped)
+    if set(reply) != {"params", "fields", "file_error", "arrays"}:
+        raise _garbage("a load reply without the runner's fields")
+    fields = _scalars(reply["fields"])
+    proxy = _proxy(judge, _signature(reply["params"]), name)
+    causal, about = False, ""
+    if adapt:
+        got_kind, got_causal = fields.get("kind"), fields.get("causal")
+        got_about = fields.get("about", "")
+        if got_kind not in _CLASS_KINDS or not isinstance(got_causal, bool):
+            raise _garbage("the class's kind or causality is not one of the adapter's")
+        if not isinstance(got_about, str):
+            raise _garbage("the class's description is not text")
+        kind, causal, about = str(got_kind), got_causal, got_about
+    elif fields:
+        raise _garbage("a function's load reply with the adapter's fields")
+    if adapt and module_probes is not None:
+        used, outcomes = module_probes(proxy, dict(fields))
+    else:
+        used, outcomes = run_probes(
+            proxy,
+            str(kind),
+            mask_means=mask_means,
+            array=array,
+            batched=batched,
+            num_kv_heads=num_kv_heads,
         )
-    if not done.result and not done.result_too_large:
-        raise FunctionError(_ended(shown, path, done, limits, timeout))
-    data = _result_data(shown, done)
-    if "error" in data:
-        raise FunctionError(student_text(str(data["error"]), 1000))
-    got = outcomes_from(data, kind, batched, shown, num_kv_heads=num_kv_heads, module=bool(adapt))
     return FileRun(
         path=path,
         name=name,
-        array=got.array,
-        with_mask=got.with_mask,
-        outcomes=got.outcomes,
-        isolation=done.isolation,
-        kind=got.kind,
-        causal=got.causal,
-        about=got.about,
-        file_error=got.file_error,
+        array=used,
+        with_mask=takes_mask(proxy, str(kind)),
+        outcomes=outcomes,
+        isolation=box.isolation,
+        kind=str(kind),
+        causal=bool(causal),
+        about=str(about),
+        file_error=escaped,
+        adapter=fields,
+    )
+
+
+def _refuse(
+    reply: dict[str, Any], shown: str, path: Path, name: str, what: str, file_error: str | None
+) -> None:
+    """The one line for a file that could not be loaded, or a class not driven."""
+    error, message = reply.get("error"), reply.get("message")
+    if not isinstance(message, str):
+        raise _garbage("an error that is not text")
+    if error == "file":
+        raise FunctionError(student_text(message, 1000))
+    if error == "module":
+        raise FunctionError(f"{shown}: {student_text(message, 1000)}")
+    if error == "missing":
+        file = student_text(str(path))
+        ran = f"; running it: {file_error}" if file_error else ""
+        raise FunctionError(
+            f"{file}: no {what} named {name!r}{ran}. Hint: give FILE.py:NAME with the name of "
+            f"the {what} after the colon, and run 'python {file}' to see the file's errors"
+        )
+    raise _garbage("an error the runner does not send")
+
+
+def _stopped(
+    error: ChannelError, box: Sandbox, judge: _Judge, shown: str, path: Path, limits: Limits
+) -> str:
+    """The one line for a run that stopped: out of time, ended, or garbage."""
+    timeout = judge.clock.budget
+    if error.why == "timeout":
+        return _timed_out(shown, judge)
+    if error.why == "garbage":
+        return (
+            f"{shown}: the student's process sent what qkv's runner does not send "
+            f"({error.detail}). Hint: the checked code may write to the runner's channel; "
+            "look for writes to file descriptors in it"
+        )
+    done = box.finish()
+    if done.timed_out:
+        return _timed_out(shown, judge)
+    return _ended(shown, path, done, limits, timeout)
+
+
+def _timed_out(shown: str, judge: _Judge) -> str:
+    calls = judge.clock.calls
+    timed = judge.loading + (
+        f" and the {calls} call{'s' if calls != 1 else ''} so far" if calls else ""
+    )
+    return (
+        f"{shown}: the student's code ({timed}) did not finish within "
+        f"{judge.clock.budget:g} s (an infinite loop?). Hint: run it by hand on small inputs, "
+        "or give a longer time limit"
     )
 
 
 def _ended(shown: str, path: Path, done: Finished, limits: Limits, timeout: float) -> str:
-    """The line for a child that ended without a result."""
+    """The line for a process that ended before replying."""
     if done.status == 128 + signal.SIGXFSZ:
         return (
             f"{shown}: the process running it was stopped for writing more than "
@@ -306,7 +523,7 @@ def _ended(shown: str, path: Path, done: Finished, limits: Limits, timeout: floa
         )
     if done.status == 128 + signal.SIGXCPU:
         return (
-            f"{shown}: the process running it used more than {math.ceil(timeout) + 1} s of "
+            f"{shown}: the process running it used more than {cpu_seconds(timeout)} s of "
             "CPU time. Hint: run it by hand on small inputs, or give a longer time limit"
         )
     why = f"status {done.status}"
@@ -317,108 +534,3 @@ def _ended(shown: str, path: Path, done: Finished, limits: Limits, timeout: floa
         f"{shown}: the process running it ended with {why} before returning "
         f"({student_text(last)}). Hint: run 'python {student_text(str(path))}' to see the crash"
     )
-
-
-def _result_data(shown: str, done: Finished) -> dict[str, Any]:
-    """The result file as JSON: an object, or a one-line error."""
-    bad = f"{shown}: the result of the run is not what qkv's runner writes"
-    hint = _HINT
-    if done.result_too_large:
-        raise FunctionError(f"{bad}: it is larger than {size_text(_RESULT_LIMIT)}. {hint}")
-    try:
-        data = json_value(done.result.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, FileLimitError) as exc:
-        raise FunctionError(f"{bad}: not JSON ({student_text(str(exc), 80)}). {hint}") from None
-    if not isinstance(data, dict) or not (set(data) == {"error"} or set(data) == _FIELDS):
-        raise FunctionError(f"{bad}: not an object with the runner's fields. {hint}")
-    return data
-
-
-_FIELDS = {"array", "with_mask", "kind", "causal", "about", "file_error", "outcomes"}
-_ABOUT_LIMIT = 300  # characters of 'about' and 'file_error' kept
-
-
-@dataclass(frozen=True)
-class ChildResult:
-    """The child's result, every field checked (the fields of :class:`FileRun` it gives)."""
-
-    array: str
-    with_mask: bool
-    outcomes: list[Outcome]
-    kind: str
-    causal: bool
-    about: str
-    file_error: str | None
-
-
-def outcomes_from(
-    data: dict[str, Any],
-    kind: str,
-    batched: bool,
-    target: str,
-    *,
-    num_kv_heads: int | None = None,
-    module: bool = False,
-) -> ChildResult:
-    """What the child's result says, every field checked: the array library, whether the
-    function takes a mask, one outcome per probe, the kind probed (``module``: a class is
-    probed as ``multi-head`` or ``gqa``), and the escaped texts.
-
-    Raises:
-        FunctionError: a field of the wrong type, the wrong number of outcomes, an array
-            that is not numbers or too large.
-    """
-
-    def bad(what: str) -> FunctionError:
-        return FunctionError(
-            f"{target}: the result of the run is not what qkv's runner writes: {what}. {_HINT}"
-        )
-
-    used, with_mask, rows = data["array"], data["with_mask"], data["outcomes"]
-    if used not in _LIBRARIES or not isinstance(with_mask, bool):
-        raise bad("'array' or 'with_mask' is not one of the runner's values")
-    kinds = ("multi-head", "gqa") if module else (kind,)
-    got_kind, causal = data["kind"], data["causal"]
-    if got_kind not in kinds or not isinstance(causal, bool) or (causal and not module):
-        raise bad("'kind' or 'causal' is not what was asked for")
-    about, file_error = data["about"], data["file_error"]
-    if not isinstance(about, str) or not (file_error is None or isinstance(file_error, str)):
-        raise bad("'about' or 'file_error' is not text")
-    count = len(probes(got_kind, with_mask=with_mask, batched=batched, num_kv_heads=num_kv_heads))
-    if not isinstance(rows, list) or len(rows) != count:
-        raise bad(f"'outcomes' is not a list of {count} entries, one per probe")
-    outcomes = []
-    for row in rows:
-        if not isinstance(row, dict) or set(row) != {"context", "weights", "error"}:
-            raise bad("an outcome is not an object with context, weights and error")
-        error = row["error"]
-        if error is not None and not isinstance(error, str):
-            raise bad("an outcome's error is not text")
-        outcomes.append(
-            Outcome(
-                _array(row["context"], bad),
-                _array(row["weights"], bad),
-                None if error is None else student_text(error, 300),
-            )
-        )
-    return ChildResult(
-        array=used,
-        with_mask=with_mask,
-        outcomes=outcomes,
-        kind=got_kind,
-        causal=causal,
-        about=student_text(about, _ABOUT_LIMIT),
-        file_error=None if file_error is None else student_text(file_error, _ABOUT_LIMIT),
-    )
-
-
-def _array(value: object, bad: Callable[[str], FunctionError]) -> np.ndarray[Any, Any] | None:
-    if value is None:
-        return None
-    try:
-        array = np.asarray(value, dtype=np.float64)
-    except (TypeError, ValueError, OverflowError):
-        raise bad("an outcome holds something that is not an array of numbers") from None
-    if array.ndim not in (1, 2, 3, 4) or array.size > _ARRAY_LIMIT:
-        raise bad(f"an outcome holds an array of shape {array.shape}, not the probes' size")
-    return array

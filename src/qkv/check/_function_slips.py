@@ -46,6 +46,8 @@ OTHER_CORNER = "other-corner"  # causal: aligned at the other corner
 DIAGONAL_HIDDEN = "diagonal-hidden"  # causal: j < i
 ONE_AHEAD = "one-ahead"  # causal: j ≤ i + 1
 _CAUSAL_ONLY = (INVERTED_DIAGONAL, OTHER_CORNER, DIAGONAL_HIDDEN, ONE_AHEAD)
+# What a masked score is set to: −inf (right), 0 or a tiny number, or +inf (NaN rows)
+FILLS = ("-inf", "zero", "+inf")
 
 
 def _softmax(s: Array, axis: int) -> Array:
@@ -65,11 +67,22 @@ def _attend(
     normalise: str = "softmax",
     swap: bool = False,
     after_softmax: bool = False,
+    fill: str = "-inf",
+    transpose: bool = True,
 ) -> tuple[Array, Array]:
     """Single-head attention with one slip: the scale, the normalisation (``softmax``,
-    ``columns``, ``sum``), K·Qᵀ for Q·Kᵀ, the mask rule, the mask applied after the softmax.
-    Raises ValueError where the slip cannot run."""
-    s = (k @ q.T if swap else q @ k.T) * scale  # (Lq, Lk)
+    ``columns``, ``sum``), K·Qᵀ for Q·Kᵀ, Q·K without the transpose, the mask rule, what a
+    masked score is set to (``fill``), the mask applied after the softmax. Raises
+    ValueError where the slip cannot run.
+
+    A row made NaN by a +inf fill is returned as +inf: there the function's numbers must
+    not be numbers either (:func:`~qkv.check._function_diagnose.diagnose` reads it so)."""
+    if not transpose:  # Q·K: runs only where Lk = d_k
+        if k.shape[0] != q.shape[1]:
+            raise ValueError(f"Q {q.shape} · K {k.shape}")
+        s = (q @ k) * scale
+    else:
+        s = (k @ q.T if swap else q @ k.T) * scale  # (Lq, Lk)
     allow = None
     if rule is not None:
         allow = rule(*s.shape) if callable(rule) else rule
@@ -81,7 +94,7 @@ def _attend(
             w = np.where(allow, w, 0.0)
     else:
         if allow is not None:
-            s = np.where(allow, s, -np.inf)
+            s = np.where(allow, s, {"-inf": -np.inf, "zero": 0.0, "+inf": np.inf}[fill])
         if normalise == "columns":
             w = _softmax(s, -2)
         elif normalise == "sum":
@@ -93,7 +106,12 @@ def _attend(
     if w.shape[-1] != v.shape[0]:
         raise ValueError(f"weights {w.shape} vs values {v.shape}")
     with np.errstate(invalid="ignore", over="ignore"):
-        return w @ v, w
+        context = w @ v
+    if fill == "+inf" and allow is not None:
+        spoilt = ~allow.all(axis=-1)  # inf − inf in each row with a masked key
+        w, context = w.copy(), context.copy()
+        w[spoilt], context[spoilt] = np.inf, np.inf
+    return context, w
 
 
 def _rule(spec: Spec, probe: Probe, how: str) -> MaskRule:
@@ -119,9 +137,9 @@ def _rule(spec: Spec, probe: Probe, how: str) -> MaskRule:
     return ~probe.allow if how == INVERTED else probe.allow
 
 
-def _applies(spec: Spec, rule: str, after_softmax: bool) -> bool:
+def _applies(spec: Spec, rule: str, after_softmax: bool, fill: str = "-inf") -> bool:
     """Whether a mask slip means anything for this kind of function."""
-    if rule == RIGHT and not after_softmax:
+    if rule == RIGHT and not after_softmax and fill == "-inf":
         return True
     if not spec.masked:
         return False
@@ -138,11 +156,13 @@ def single(
     normalise: str = "softmax",
     swap: bool = False,
     after_softmax: bool = False,
+    fill: str = "-inf",
+    transpose: bool = True,
 ) -> SlipMaker:
     """A slip of single-head attention (kinds attention and causal)."""
 
     def make(spec: Spec) -> Slip | None:
-        if spec.multi or not _applies(spec, rule, after_softmax):
+        if spec.multi or not _applies(spec, rule, after_softmax, fill):
             return None
 
         def slip(p: Probe) -> tuple[Array, Array]:
@@ -151,7 +171,7 @@ def single(
             factor = {"sqrt": d**-0.5, "none": 1.0, "dk": 1.0 / d, "ndim": p.seen_ndim**-0.5}
             return _attend(
                 q, k, v, _rule(spec, p, rule), scale=factor[scale], normalise=normalise,
-                swap=swap, after_softmax=after_softmax,
+                swap=swap, after_softmax=after_softmax, fill=fill, transpose=transpose,
             )  # fmt: skip
 
         return slip
@@ -203,24 +223,37 @@ def multi(
     kv: str = "interleave",
     rule: str = RIGHT,
     after_softmax: bool = False,
+    fill: str = "-inf",
+    transpose: bool = True,
+    heads: str = "any",
 ) -> SlipMaker:
     """A slip of multi-head (or grouped-query) attention, row vectors: Q = X·W_q, the heads
-    split from the columns, output = concat(heads)·W_o."""
+    split from the columns, output = concat(heads)·W_o; kind head is one head with W_o = I.
+    A cross-attention probe projects its ``memory`` for K and V. ``heads``: ``any``,
+    ``several`` (not kind head) or ``one`` (kind head only). ``scale="width"``: by √(the
+    input's width), the model's width of a single head."""
 
     def make(spec: Spec) -> Slip | None:
-        if not spec.multi or not _applies(spec, rule, after_softmax):
+        if not spec.multi or not _applies(spec, rule, after_softmax, fill):
             return None
         if kv != "interleave" and not spec.grouped:
+            return None
+        if (heads == "one") != (spec.kind == "head") and heads != "any":
             return None
 
         def slip(p: Probe) -> tuple[Array, Array]:
             x, wq, wk, wv, wo = p.arrays
+            x_kv = x if p.memory is None else p.memory
             h, hkv = p.num_heads, p.kv_heads
             used = {
                 name: w.T if name in transposed else w
                 for name, w in zip(("W_q", "W_k", "W_v", "W_o"), (wq, wk, wv, wo), strict=True)
             }
-            q, k, v = x @ used["W_q"], x @ used["W_k"], x @ used["W_v"]  # (L, H·D), (L, Hkv·D)
+            q, k, v = (
+                x @ used["W_q"],
+                x_kv @ used["W_k"],
+                x_kv @ used["W_v"],
+            )  # (L, H·D), (L, Hkv·D)
             d_model = q.shape[1]
             d_head = d_model // h
             if k.shape[1] != hkv * d_head or v.shape[1] != hkv * d_head:
@@ -232,6 +265,7 @@ def multi(
                 "dmodel": d_model**-0.5,
                 "ndim": ndim**-0.5,
                 "heads": h**-0.5,
+                "width": x.shape[1] ** -0.5,
             }[scale]
             qh, kh, vh = _split(q, h, split), _split(k, hkv, split), _split(v, hkv, split)
             contexts, weights = [], []
@@ -239,7 +273,8 @@ def multi(
                 j = _kv_head(i, h, hkv, kv)
                 c, w = _attend(
                     qh[i], kh[j], vh[j], _rule(spec, p, rule), scale=factor,
-                    normalise=normalise, swap=swap, after_softmax=after_softmax,
+                    normalise=normalise, swap=swap, after_softmax=after_softmax, fill=fill,
+                    transpose=transpose,
                 )  # fmt: skip
                 contexts.append(c)
                 weights.append(w)
@@ -247,7 +282,10 @@ def multi(
             if averaged == "weights":  # one weighting (the heads' mean) for all of V
                 return all_weights.mean(axis=0) @ v @ used["W_o"], all_weights
             concat = _merge(np.stack(contexts), merge)  # (L, H·D)
-            output = concat @ used["W_o"]
+            with np.errstate(invalid="ignore", over="ignore"):
+                output = concat @ used["W_o"]
+            if fill == "+inf":  # a row with a NaN head is NaN after W_o: the sentinel +inf
+                output[~np.isfinite(concat).all(axis=-1)] = np.inf
             if averaged == "outputs":  # each head's share of the output, averaged: not summed
                 output = output / h
             return output, all_weights

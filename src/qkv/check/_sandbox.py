@@ -1,28 +1,33 @@
-"""Running a student's code in a child process that qkv can always end: the sandbox of
-``qkv check --function``.
+"""Running a student's code in a process that qkv can always end, and that holds nothing of
+qkv: the sandbox of ``qkv check --function``, ``--module`` and ``qkv grade``.
 
-:func:`run_sandboxed` runs a Python command as an autograder must run untrusted code. The
-child starts in a fresh temporary folder with an environment scrubbed to what Python needs,
-under a keeper (:mod:`~qkv.check._sandbox_keeper`) that ignores signals, gives the command
-resource limits (CPU time, address space, processes, file size, open files) and its own
-session, and kills everything left below it when the command ends or the time runs out. The
-command's standard output and error go to files, of which the last few KiB are read back, so
-that the verdict never waits on a pipe; its result comes back through a file that the caller
-reads with a size bound (:attr:`Finished.result`) and validates.
+:func:`start` starts the student's process as an autograder must run untrusted code: the
+runner ``_student_main.py`` and its two neighbours copied into a private read-only folder,
+run by ``python -I`` in a fresh temporary folder with an environment scrubbed to what Python
+needs, under a keeper (:mod:`~qkv.check._sandbox_keeper`) that ignores signals, gives the
+process resource limits (CPU time, address space, processes, file size, open files) and its
+own session, and kills everything left below it when the runner ends or the time runs out.
+Its standard output and error go to files, of which the last few KiB are read back; qkv
+talks to it over two pipes (:class:`Sandbox`: ``requests`` and ``replies``,
+:mod:`~qkv.check._channel`).
 
-Three levels of isolation, the strongest available by default (``isolation="auto"``):
+Two levels of isolation, the strongest available by default (``isolation="auto"``); each
+gives the student's process its own ``/tmp``, and neither lets it import qkv, see another
+submission, another sandbox's files or qkv's work folders, reach a unix socket of the host,
+read another process's ``/proc/PID/environ``, or outlive the check (docs/isolation.md):
 
 - ``bubblewrap``: inside Debian's ``bwrap``: new user, PID, network, IPC and UTS
   namespaces, no capabilities, no further user namespaces; a read-only view of the system
-  folders (``/usr``, ``/etc``, Python and the import path, the student's folder), a private
-  ``/tmp`` of 64 MiB, and only the temporary folder writable. Home folders, other temporary
-  files and ``/run`` (sockets) are not there. Nothing outlives the check.
-- ``namespaces``: new user, PID, network and IPC namespaces entered by the keeper: no
-  network, no signal to a process outside, nothing outlives the check; the files are the
-  user's, readable and writable as by any program the user runs.
-- ``process``: the keeper alone (a child subreaper): the process tree below it is killed at
-  the end. Code that kills the keeper itself (SIGKILL) can leave a detached process running,
-  and may signal any process of the user: this level contains accidents, not attacks.
+  folders (``/usr``, ``/etc``, Python and its import path, with qkv's own package masked;
+  the student's folder), a private ``/tmp`` of 64 MiB, and only the working folder
+  writable.
+- ``namespaces``: the keeper enters new user, mount, PID, network and IPC namespaces and
+  builds the same view itself (a new root on a tmpfs, read-only bind mounts, a minimal
+  ``/dev``, a fresh ``/proc``, ``pivot_root``); where the kernel refuses a step the level
+  is refused.
+
+A bare process (no namespaces) cannot keep the student's code from the user's files and
+processes: qkv does not offer it (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import functools
 import json
 import math
 import os
+import re
 import secrets
 import select
 import shutil
@@ -48,20 +54,37 @@ from pathlib import Path
 
 from qkv.check._sandbox_keeper import TIMED_OUT, end_descendants
 
-__all__ = ["ISOLATIONS", "LEVELS", "Finished", "IsolationError", "Limits", "run_sandboxed"]
+__all__ = [
+    "ISOLATIONS",
+    "LEVELS",
+    "STARTUP_SECONDS",
+    "Finished",
+    "IsolationError",
+    "Limits",
+    "Sandbox",
+    "start",
+]
 
-LEVELS: tuple[str, ...] = ("bubblewrap", "namespaces", "process")
+LEVELS: tuple[str, ...] = ("bubblewrap", "namespaces")
 """The levels of isolation, strongest first."""
 ISOLATIONS: tuple[str, ...] = ("auto", *LEVELS)
 """What a caller may ask for: ``auto`` takes the strongest level this machine allows."""
+STARTUP_SECONDS = 120.0
+"""How long the student's process may take to start (Python, NumPy and torch imported)
+before the time of the student's code begins: generous, for a loaded machine."""
 
 _KEEPER = Path(__file__).with_name("_sandbox_keeper.py")
-_SOURCE = Path(__file__).resolve().parents[2]  # the folder that holds the qkv package
+_RUNNER = ("_student_main.py", "_student_file.py", "_module_adapt.py")
+"""The files of the student's process: the runner and its two neighbours (no qkv)."""
 _TAIL = 4096  # bytes of standard error read back
 _GRACE = 5.0  # seconds the keeper gets to clean up after the time limit
 _SYSTEM = ("/usr", "/etc")
 _LINKED = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # often links into /usr
 _PRIVATE_TMP = 64 << 20
+_DEVICES = ("null", "zero", "random", "urandom")
+_QKV_ENTRY = re.compile(r"(qkv|qkv[-.].*|.*editable.*qkv.*)", re.IGNORECASE)
+"""Names in an import folder that belong to an installed qkv: the package, its metadata,
+an editable install's ``.pth`` file and finder."""
 
 
 class IsolationError(ValueError):
@@ -70,7 +93,7 @@ class IsolationError(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    """The resource limits of the sandboxed command (``setrlimit``)."""
+    """The resource limits of the student's process (``setrlimit``)."""
 
     memory: int = 4 << 30
     """Address space, bytes (importing PyTorch takes about 0.7 GiB)."""
@@ -83,42 +106,64 @@ class Limits:
 
 @dataclass(frozen=True)
 class Finished:
-    """How a sandboxed command ended.
+    """How the student's process ended.
 
     Attributes:
         isolation: the level it ran at, one of :data:`LEVELS`.
-        status: its exit status; 128 + N when signal N ended it.
-        timed_out: it ran past the time limit (and was killed).
-        result: the bytes of the result file (at most ``result_limit``; more is refused
-            with ``result_too_large``).
-        result_too_large: the result file held more than ``result_limit`` bytes.
+        status: its exit status; 128 + N when signal N ended it; -1 when it was still
+            running and qkv ended it.
+        timed_out: the keeper's hard limit ended it.
         stderr: the last few KiB of its standard error, decoded leniently.
     """
 
     isolation: str
     status: int
     timed_out: bool
-    result: bytes
-    result_too_large: bool
     stderr: str
 
 
-def run_sandboxed(
-    command: Sequence[str],
+@dataclass(frozen=True)
+class Sandbox:
+    """A started student's process: qkv writes requests to ``requests`` and reads replies
+    from ``replies``; ``ended`` becomes readable when the process ends (a pidfd, or None on
+    an old kernel); :meth:`finish` waits for its end and says how it ended."""
+
+    isolation: str
+    requests: int
+    replies: int
+    ended: int | None
+    process: subprocess.Popen[bytes]
+    stderr_fd: int
+
+    def finish(self, seconds: float = 10.0) -> Finished:
+        """How it ended, after waiting at most ``seconds`` for the end."""
+        done = _wait_unreaped(self.process.pid, seconds)
+        status = -1
+        if done:
+            self.process.wait()
+            code = self.process.returncode
+            status = code if code >= 0 else 128 - code
+        return Finished(self.isolation, status, status == TIMED_OUT, _tail(self.stderr_fd))
+
+
+def cpu_seconds(timeout: float) -> int:
+    """The CPU time the student's process may use: its start and the student's time."""
+    return min(math.ceil(STARTUP_SECONDS + timeout) + 1, 2**31 - 1)
+
+
+@contextlib.contextmanager
+def start(
     *,
     timeout: float,
     isolation: str = "auto",
     readable: Sequence[Path] = (),
     limits: Limits = Limits(),
-    result_limit: int = 4 << 20,
-) -> Finished:
-    """Run ``python -I`` with the arguments ``command`` in the sandbox; wait at most
-    ``timeout`` seconds.
-
-    The command finds its result file open for writing as the file descriptor given by the
-    environment variable ``QKV_RESULT_FD``, and its working folder (also ``HOME`` and
-    ``TMPDIR``) empty and writable. ``readable`` lists the folders it must read (the
-    student's); with bubblewrap nothing else outside the system and Python is visible.
+) -> Iterator[Sandbox]:
+    """Start the student's process (the runner of :data:`_RUNNER`) in the sandbox; end it,
+    and everything it started, when the block ends. The keeper's hard limit is the start-up
+    bound plus ``timeout`` (qkv measures the student's time itself). ``readable`` lists the
+    folders it must read (the student's); nothing else outside the system and Python is
+    visible.
 
     Raises:
         IsolationError: ``isolation`` is not one of :data:`ISOLATIONS`, or that level is not
@@ -126,44 +171,80 @@ def run_sandboxed(
     """
     level = choose(isolation)
     with _folder() as tmp:
-        work = tmp / "work"
+        work, runner = tmp / "work", tmp / "runner"
         work.mkdir(mode=0o700)
-        with _files(tmp) as (out, err, result):
-            spec = {
-                "command": [sys.executable, "-I", *command],
-                "timeout": timeout,
-                "limits": {**asdict(limits), "cpu_seconds": _cpu_seconds(timeout)},
-                "namespaces": level == "namespaces",
-            }
-            argv = [sys.executable, "-I", "-S", str(_KEEPER), json.dumps(spec)]
-            if level == "bubblewrap":
-                argv = _bubblewrap(work, readable) + argv
-            mark = f"qkv-{os.getpid()}-{secrets.token_hex(8)}"
-            env = {**_environment(work), "QKV_RESULT_FD": str(result), "QKV_SANDBOX": mark}
-            process = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
-                pass_fds=(result,),
-                cwd=work,
-                env=env,
-                start_new_session=True,
-            )
+        _copy_runner(runner)
+        limit = STARTUP_SECONDS + timeout
+        command = [
+            sys.executable, "-I", str(runner / _RUNNER[0]), "{requests}", "{replies}",
+        ]  # fmt: skip
+        with _files(tmp) as (out, err):
+            child_in, requests = os.pipe()
+            replies, child_out = os.pipe()
+            opened = [child_in, requests, replies, child_out]
             try:
-                ended = _wait_unreaped(process.pid, timeout + _GRACE)
+                command[-2:] = [str(child_in), str(child_out)]
+                plan = _root_plan(tmp / "root", work, [runner, *readable])
+                spec = {
+                    "command": command,
+                    "timeout": limit,
+                    "limits": {**asdict(limits), "cpu_seconds": cpu_seconds(timeout)},
+                    "namespaces": level == "namespaces",
+                    "root": plan if level == "namespaces" else None,
+                }
+                keeper = _KEEPER
+                if level == "bubblewrap":  # the keeper runs inside: a copy of its own
+                    keeper = _copy_keeper(tmp / "keeper")
+                argv = [sys.executable, "-I", "-S", str(keeper), json.dumps(spec)]
+                if level == "bubblewrap":
+                    argv = _bubblewrap(work, [runner, keeper.parent, *readable]) + argv
+                mark = f"qkv-{os.getpid()}-{secrets.token_hex(8)}"
+                process = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                    pass_fds=(child_in, child_out),
+                    cwd=work,
+                    env={**_environment(work), "QKV_SANDBOX": mark},
+                    start_new_session=True,
+                )
+                for fd in (child_in, child_out):  # the child's ends: only the child holds them
+                    opened.remove(fd)
+                    os.close(fd)
+                try:
+                    handle: int | None = os.pidfd_open(process.pid)
+                except OSError:  # an old kernel: the pipe's end of file says it
+                    handle = None
+                try:
+                    yield Sandbox(level, requests, replies, handle, process, err)
+                finally:
+                    _end(process, f"QKV_SANDBOX={mark}".encode())
+                    if handle is not None:
+                        os.close(handle)
             finally:
-                _end(process, f"QKV_SANDBOX={mark}".encode())
-            status = process.returncode
-            data, too_large = _read_result(result, result_limit)
-            return Finished(
-                isolation=level,
-                status=status if status >= 0 else 128 - status,
-                timed_out=not ended or status == TIMED_OUT,
-                result=data,
-                result_too_large=too_large,
-                stderr=_tail(err),
-            )
+                for fd in opened:
+                    os.close(fd)
+
+
+def _copy_keeper(folder: Path) -> Path:
+    """The keeper's file, copied into a folder of its own, read-only (qkv's source is not
+    in the sandbox)."""
+    folder.mkdir(mode=0o700)
+    shutil.copyfile(_KEEPER, folder / _KEEPER.name)
+    os.chmod(folder / _KEEPER.name, 0o444)
+    os.chmod(folder, 0o555)
+    return folder / _KEEPER.name
+
+
+def _copy_runner(runner: Path) -> None:
+    """The runner's files, copied into a folder of their own, read-only."""
+    runner.mkdir(mode=0o700)
+    here = Path(__file__).parent
+    for name in _RUNNER:
+        shutil.copyfile(here / name, runner / name)
+        os.chmod(runner / name, 0o444)
+    os.chmod(runner, 0o555)
 
 
 def choose(isolation: str) -> str:
@@ -172,13 +253,28 @@ def choose(isolation: str) -> str:
     Raises:
         IsolationError: an unknown name, or a level this machine does not allow.
     """
+    if isolation == "process":
+        raise IsolationError(
+            "isolation 'process' is not offered for students' code: a process without "
+            "namespaces can read and write your files and reach your other processes "
+            "(docs/isolation.md). Hint: 'apt install bubblewrap', or isolation 'namespaces'"
+        )
     if isolation not in ISOLATIONS:
         raise IsolationError(
             f"isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}. "
             "Hint: 'auto' takes the strongest level available"
         )
     if isolation == "auto":
-        return next(level for level in LEVELS if not _unavailable(level))
+        reasons = []
+        for level in LEVELS:
+            why = _unavailable(level)
+            if not why:
+                return level
+            reasons.append(f"{level}: {why.split('. Hint:')[0]}")
+        raise IsolationError(
+            f"no isolation for students' code is available here ({'; '.join(reasons)}). "
+            "Hint: 'apt install bubblewrap' (Debian, Ubuntu)"
+        )
     why = _unavailable(isolation)
     if why:
         raise IsolationError(f"isolation {isolation!r} is not available here: {why}")
@@ -194,13 +290,14 @@ def _unavailable(level: str) -> str:
             return (
                 "bwrap is installed but does not run with qkv's options here (it needs "
                 "bubblewrap 0.8 or later and user namespaces). Hint: upgrade bubblewrap or "
-                "allow user namespaces, or use isolation 'namespaces' or 'process'"
+                "allow user namespaces, or use isolation 'namespaces'"
             )
         return ""
-    if level == "namespaces" and not _namespaces_work():
+    why = _namespaces_refused()
+    if why:
         return (
-            "this kernel does not let this user create user namespaces. Hint: install "
-            "bubblewrap, or use isolation 'process'"
+            "this kernel does not let this user build a private root in new user, mount "
+            f"and PID namespaces ({why}). Hint: install bubblewrap ('apt install bubblewrap')"
         )
     return ""
 
@@ -231,16 +328,31 @@ def _bubblewrap_works() -> bool:
 
 
 @functools.cache
-def _namespaces_work() -> bool:
-    code = "import sys; sys.path.insert(0, sys.argv[1]); import _sandbox_keeper as k; "
-    code += "k.enter_namespaces()"
-    probe = [sys.executable, "-I", "-S", "-c", code, str(_KEEPER.parent)]
-    done = subprocess.run(probe, capture_output=True, timeout=60, check=False)
-    return done.returncode == 0
-
-
-def _cpu_seconds(timeout: float) -> int:
-    return min(math.ceil(timeout) + 1, 2**31 - 1)
+def _namespaces_refused() -> str:
+    """'' when the keeper builds its private root here, else the kernel's last words."""
+    with _folder() as tmp:
+        work = tmp / "work"
+        work.mkdir(mode=0o700)
+        code = "import os; os.listdir('/proc'); open('/dev/null', 'w').write('x')"
+        spec = {
+            "command": [sys.executable, "-I", "-S", "-c", code],
+            "timeout": 60,
+            "limits": {**asdict(Limits()), "cpu_seconds": 60},
+            "namespaces": True,
+            "root": _root_plan(tmp / "root", work, []),
+        }
+        argv = [sys.executable, "-I", "-S", str(_KEEPER), json.dumps(spec)]
+        try:
+            done = subprocess.run(
+                argv, capture_output=True, timeout=90, check=False, cwd=work, text=True,
+                env=_environment(work),
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return "the trial did not end"
+        if done.returncode == 0:
+            return ""
+        lines = done.stderr.strip().splitlines() or [f"status {done.returncode}"]
+        return lines[-1].removeprefix("qkv sandbox: ")[:200]
 
 
 def _environment(work: Path) -> dict[str, str]:
@@ -258,16 +370,46 @@ def _environment(work: Path) -> dict[str, str]:
 
 
 @functools.cache
-def _python_folders() -> tuple[Path, ...]:
-    """The folders ``python -I`` reads: its prefixes and its import path."""
+def _python_folders() -> tuple[tuple[Path, ...], tuple[Path, ...]]:
+    """The folders ``python -I`` reads (its prefixes and its import path), but those that
+    hold qkv's source; and the entries of an installed qkv in them, to be masked."""
     code = "import json, sys; print(json.dumps(sys.path))"
     done = subprocess.run(
         [sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
-    paths = [Path(p) for p in json.loads(done.stdout) if p]
-    paths += [Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix)]
-    paths += [Path(sysconfig.get_paths()["stdlib"]), Path(sys.executable).parent]
-    return tuple(paths)
+    path = [Path(p) for p in json.loads(done.stdout) if p]
+    folders = [*path, Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix)]
+    folders += [Path(sysconfig.get_paths()["stdlib"]), Path(sys.executable).parent]
+    kept, masked = [], []
+    for folder in folders:
+        site = folder.name in ("site-packages", "dist-packages")
+        if (folder / "qkv").is_dir() and not site:
+            continue  # a source folder (an editable install's): not in the sandbox at all
+        kept.append(folder)
+        if folder in path and folder.is_dir():
+            with contextlib.suppress(OSError):
+                masked += [e for e in folder.iterdir() if _QKV_ENTRY.fullmatch(e.name)]
+    return tuple(kept), tuple(masked)
+
+
+def _visible(paths: Sequence[Path]) -> list[str]:
+    """Each path as written and as resolved, once, those that exist."""
+    shown: list[str] = []
+    for path in paths:
+        for form in (os.path.abspath(path), os.path.realpath(path)):
+            if form not in shown and os.path.exists(form):
+                shown.append(form)
+    return shown
+
+
+def _masks() -> tuple[list[str], list[str]]:
+    """The folders and the files of an installed qkv, as seen in the sandbox."""
+    folders: list[str] = []
+    files: list[str] = []
+    for entry in _python_folders()[1]:
+        for form in _visible([entry]):
+            (folders if os.path.isdir(form) else files).append(form)
+    return folders, files
 
 
 def _bubblewrap(work: Path, readable: Sequence[Path]) -> list[str]:
@@ -280,15 +422,39 @@ def _bubblewrap(work: Path, readable: Sequence[Path]) -> list[str]:
             args += ["--symlink", os.readlink(name), name]
         elif os.path.isdir(name):
             args += ["--ro-bind", name, name]
-    shown: set[str] = set()
-    wanted = [*map(Path, _SYSTEM), *_python_folders(), _SOURCE]
-    for path in [*wanted, *readable]:
-        for form in (os.path.abspath(path), os.path.realpath(path)):
-            if form not in shown and os.path.exists(form):
-                shown.add(form)
-                args += ["--ro-bind", form, form]
+    system = _visible([*map(Path, _SYSTEM), *_python_folders()[0]])
+    for form in [*system, *(f for f in _visible(readable) if f not in system)]:
+        args += ["--ro-bind", form, form]
+    folders, files = _masks()
+    for folder in folders:
+        args += ["--tmpfs", folder, "--remount-ro", folder]
+    for file in files:
+        args += ["--ro-bind", "/dev/null", file]
     args += ["--proc", "/proc", "--dev", "/dev", "--bind", str(work), str(work)]
     return [*args, "--remount-ro", "/", "--chdir", str(work), "--"]
+
+
+def _root_plan(base: Path, work: Path, readable: Sequence[Path]) -> dict[str, object]:
+    """What the keeper mounts in its private root (level ``namespaces``): the system and
+    Python read-only, a private /tmp, the student's and the runner's folders read-only,
+    ``work`` writable, an installed qkv masked, a minimal /dev, a fresh /proc."""
+    base.mkdir(mode=0o700)
+    links = [[os.readlink(name), name] for name in _LINKED if os.path.islink(name)]
+    linked = [name for name in _LINKED if os.path.isdir(name) and not os.path.islink(name)]
+    system = _visible([*map(Path, _SYSTEM), *map(Path, linked), *_python_folders()[0]])
+    folders, files = _masks()
+    return {
+        "base": str(base),
+        "links": links,
+        "system": system,
+        "tmp_size": _PRIVATE_TMP,
+        "readable": [f for f in _visible(readable) if f not in system],
+        "writable": [str(work)],
+        "mask_folders": folders,
+        "mask_files": files,
+        "devices": [f"/dev/{name}" for name in _DEVICES],
+        "chdir": str(work),
+    }
 
 
 @contextlib.contextmanager
@@ -317,12 +483,12 @@ def _remove(tmp: Path) -> None:
 
 
 @contextlib.contextmanager
-def _files(tmp: Path) -> Iterator[tuple[int, int, int]]:
-    """The command's standard output, standard error and result file, opened here."""
+def _files(tmp: Path) -> Iterator[tuple[int, int]]:
+    """The process's standard output and error, opened here (outside its view)."""
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    fds = [os.open(tmp / name, flags, 0o600) for name in ("stdout", "stderr", "result")]
+    fds = [os.open(tmp / name, flags, 0o600) for name in ("stdout", "stderr")]
     try:
-        yield fds[0], fds[1], fds[2]
+        yield fds[0], fds[1]
     finally:
         for fd in fds:
             os.close(fd)
@@ -398,15 +564,6 @@ def _marked(pid: int, mark: bytes) -> bool:
         return mark in Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
         return False
-
-
-def _read_result(fd: int, limit: int) -> tuple[bytes, bool]:
-    """The result file's bytes (at most ``limit``), through the descriptor opened here: the
-    command cannot swap it for a link, a pipe or a device."""
-    size = os.fstat(fd).st_size
-    if size > limit:
-        return b"", True
-    return os.pread(fd, limit + 1, 0)[: limit + 1], False
 
 
 def _tail(fd: int) -> str:

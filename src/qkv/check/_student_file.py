@@ -10,10 +10,11 @@ function be checked anyway:
   statement runs: the functions defined after it still exist;
 - IPython lines (starting with ``!`` or ``%``) are skipped, and noted.
 
-The file's own errors come back as that one line, escaped
+The file's own errors come back as that one line, raw: the judge escapes them
 (:func:`~qkv.check._function_run.student_text`); the check of the function goes on.
-Running a file runs its code: callers run this in the sandbox
-(:mod:`~qkv.check._function_file`).
+Running a file runs its code: this module runs in the student's sandboxed process, copied
+beside the runner ``_student_main.py`` and imported by its plain name, so it imports nothing
+of qkv (a test scans it), only the standard library.
 """
 
 from __future__ import annotations
@@ -24,9 +25,7 @@ import sys
 import types
 from pathlib import Path
 
-from qkv.check._function_run import raised, student_text
-
-__all__ = ["MAX_SOURCE_BYTES", "StudentFileError", "run_student_file"]
+__all__ = ["MAX_SOURCE_BYTES", "StudentFileError", "raised", "run_student_file"]
 
 MAX_SOURCE_BYTES = 5_000_000
 """A larger file is no hand-written exercise: refused before it is read."""
@@ -34,7 +33,17 @@ _MODULE_NAME = "_qkv_student_module"
 
 
 class StudentFileError(ValueError):
-    """The file cannot be run at all (not readable, too large, not Python): one line."""
+    """The file cannot be run at all (not readable, too large, not Python): one line, raw."""
+
+
+def raised(exc: BaseException) -> str:
+    """``"TypeError: the message"`` for the student's exception, raw (the judge escapes it)."""
+    try:
+        text = str(exc)
+    except Exception:  # a __str__ of the student's own that raises
+        text = ""
+    name = str(getattr(type(exc), "__name__", "Exception"))
+    return f"{name}: {text}" if text.strip() else name
 
 
 def _without_ipython(source: str) -> tuple[str, int]:
@@ -64,16 +73,16 @@ def _parse(path: Path, source: str) -> tuple[ast.Module, str | None]:
             else:
                 lines = "line" if count == 1 else "lines"
                 return tree, f"{count} IPython {lines} (! or %) skipped"
-        shown = student_text(str(path))
+        shown = str(path)
         raise StudentFileError(
-            f"{shown}, line {first.lineno}: SyntaxError: {student_text(str(first.msg))}. Hint: "
+            f"{shown}, line {first.lineno}: SyntaxError: {first.msg}. Hint: "
             f"run 'python {shown}' to see the line"
         ) from None
 
 
 def run_student_file(path: Path) -> tuple[types.ModuleType, str | None]:
     """Run ``path`` top-level statement by statement: the module, and the file's own errors
-    as one line (None when it ran cleanly).
+    as one line, raw (None when it ran cleanly).
 
     Raises:
         StudentFileError: the file cannot be read, is too large, or is not Python.
@@ -92,13 +101,13 @@ def run_student_file(path: Path) -> tuple[types.ModuleType, str | None]:
         size = path.stat().st_size
         if size > MAX_SOURCE_BYTES:
             raise StudentFileError(
-                f"{student_text(str(path))}: {size} bytes, more than {MAX_SOURCE_BYTES} for a "
+                f"{path}: {size} bytes, more than {MAX_SOURCE_BYTES} for a "
                 "Python file. Hint: give the file with the function"
             )
         source = path.read_text(encoding="utf-8", errors="replace")
     except OSError as exc:
         raise StudentFileError(
-            f"{student_text(str(path))}: cannot be read ({exc.strerror}). Hint: check the path"
+            f"{path}: cannot be read ({exc.strerror}). Hint: check the path"
         ) from None
     tree, skipped = _parse(path, source)
     sys.path.insert(0, str(path.resolve().parent))

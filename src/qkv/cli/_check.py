@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from qkv._format import visible
 from qkv.cli._common import Command, CommandError, add_output_options, emit
 
 _FORMATS = ("text", "markdown", "json")  # qkv.check.FORMATS, without importing it for --help
@@ -21,7 +22,7 @@ _KINDS = ("attention", "causal", "multi-head", "gqa")  # qkv.check._probes.KINDS
 _MASK_MEANINGS = ("allow", "ignore", "additive")
 _ARRAYS = ("auto", "numpy", "torch")
 _ALIGNMENTS = ("top-left", "bottom-right")
-_ISOLATIONS = ("auto", "bubblewrap", "namespaces", "process")  # qkv.check.ISOLATIONS
+_ISOLATIONS = ("auto", "bubblewrap", "namespaces")  # qkv.check.ISOLATIONS
 
 
 def _seconds(text: str) -> float:
@@ -121,25 +122,27 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         type=_seconds,
         default=20.0,
         metavar="SECONDS",
-        help="stop the function's process after SECONDS (default: 20)",
+        help="stop after SECONDS of the file's own code: loading it and the calls "
+        "on the probes (default: 20)",
     )
     group.add_argument(
         "--isolation",
         choices=_ISOLATIONS,
         default="auto",
-        help="how the file's code is kept from this machine: bubblewrap (read-only system, "
-        "no network), namespaces (no network, no signal out), process (a process tree "
-        "qkv ends); auto takes the strongest available (default: auto)",
+        help="how the file's code is kept from this machine: bubblewrap, or namespaces (a "
+        "private root of its own; both: read-only system, no network, no qkv); auto takes "
+        "the strongest available (default: auto; docs/isolation.md)",
     )
     add_output_options(parser, "write the report to FILE instead of the terminal (atomically)")
 
 
 def _run_module(args: argparse.Namespace) -> int:
-    if args.kind not in (None, "causal", "multi-head"):
+    if args.kind not in (None, "causal", "multi-head", "attention"):
         raise CommandError(
             f"--kind {args.kind} does not go with --module: a class is checked as multi-head "
-            "attention. Hint: --kind causal (it must be causal) or --kind multi-head (it must "
-            "not be), or leave --kind out (as the class says)"
+            "attention, or as one head without an output projection. Hint: --kind causal (it "
+            "must be causal), --kind multi-head (it must not be), --kind attention (one "
+            "head), or leave --kind out (as the class says)"
         )
     unused = [
         option
@@ -161,9 +164,20 @@ def _run_module(args: argparse.Namespace) -> int:
         )
     from qkv.check import check_module_file
 
-    causal = None if args.kind is None else args.kind == "causal"
+    path, colon, name = args.module.rpartition(":")
+    if not colon or not path or not name.isidentifier():
+        raise CommandError(
+            f"--module must be FILE.py:CLASS, got {visible(args.module)!r}. Hint: "
+            f"'qkv check --module {visible(args.module if not colon else path)}:"
+            "MultiHeadAttention', with the name of the class"
+        )
+    causal = None if args.kind in (None, "attention") else args.kind == "causal"
     report = check_module_file(
-        args.module, causal=causal, timeout=args.timeout, isolation=args.isolation
+        args.module,
+        causal=causal,
+        timeout=args.timeout,
+        isolation=args.isolation,
+        kind="attention" if args.kind == "attention" else None,
     )
     emit(args, lambda width: report.render(args.format, width=width), report.print)
     return 0 if report.ok else 1
@@ -208,6 +222,13 @@ def _run(args: argparse.Namespace) -> int:
             "nothing to check: give an example FILE or --example NAME. Hint: try "
             "'qkv check --example i-love-statistics' (seed 000 and its printed numbers), "
             "or see 'qkv check --help'"
+        )
+    code = args.file if args.file is not None else args.example
+    if code.lower().endswith((".py", ".ipynb")):
+        shown = visible(code)
+        raise CommandError(
+            f"{shown} is code, not a worked example (YAML or JSON). Hint: to check code, "
+            f"use --function {shown}:NAME (or --module {shown}:CLASS for a class)"
         )
     from qkv import examples  # imported here: 'qkv --help' stays fast
     from qkv.check import check

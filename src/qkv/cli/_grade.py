@@ -143,14 +143,15 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         type=_seconds,
         default=20.0,
         metavar="SECONDS",
-        help="stop a submission's process after SECONDS (default: 20)",
+        help="stop a submission after SECONDS of its own code: loading its file and "
+        "the calls on the probes (default: 20)",
     )
     group.add_argument(
         "--isolation",
         choices=_ISOLATIONS,
         default="auto",
         help="how the students' code is kept from this machine (default: auto, "
-        "the strongest available; docs/check-function.md)",
+        "the strongest available; docs/isolation.md)",
     )
 
 
@@ -267,7 +268,6 @@ def _run(args: argparse.Namespace) -> int:
         )
         _io.write_atomic(out / "results.json", write(grades[0]))
         print(f"qkv: wrote {visible(str(out / 'results.json'))} ({platform})", file=sys.stderr)
-        _warn_weak([grades[0].isolation] if grades[0].isolation else [])
         return 0
     title = args.title or f"{source.stem or source.name} · {args.kind}"
     grade.write_class(out, grades, title=title, overwrite=args.overwrite)
@@ -282,18 +282,7 @@ def _run(args: argparse.Namespace) -> int:
         f"class.html and each student's .json and .md into {visible(str(out))}",
         file=sys.stderr,
     )
-    _warn_weak(levels)
     return 0
-
-
-def _warn_weak(levels: list[str]) -> None:
-    """Say so when students' code ran with access to this user's files."""
-    if any(level != "bubblewrap" for level in levels):
-        print(
-            "qkv: warning: without bubblewrap the students' code could read and write your "
-            "files. Hint: apt install bubblewrap (docs/check-function.md, Isolation)",
-            file=sys.stderr,
-        )
 
 
 def _with_progress(

@@ -167,9 +167,10 @@ def _grade_class(path: Path, student: str, settings: Settings, *, single: bool) 
 
 
 def _module_parts(settings: Settings) -> tuple[str, ...]:
-    """A class's parts: those of multi-head attention, with the mask when the rubric gives
-    it points (a class whose forward takes a mask, or is causal)."""
-    return function_parts("multi-head", with_mask=settings.rubric.names("mask"), batched=False)
+    """A class's parts: those of multi-head attention with the mask (its forward takes a
+    mask, as CS231n's does, or it is causal); a rubric that gives the mask 0 points leaves
+    it out."""
+    return function_parts("multi-head", with_mask=True, batched=False)
 
 
 def _no_code(path: Path, student: str, settings: Settings) -> Grade:

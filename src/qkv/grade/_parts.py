@@ -73,6 +73,12 @@ CODE_PARTS: dict[str, str] = {
     "kv-heads-not-repeated": "heads",
     "kv-heads-wrong-order": "heads",
     "unbatched": "batched",
+    "qk-not-transposed": "scores",
+    "head-scaled-by-width": "scaling",
+    "mask-not-applied": "mask",
+    "mask-filled-with-zero": "mask",
+    "mask-filled-with-inf": "mask",
+    "cross-mask-misaligned": "mask",
 }
 """The part each slip code names; the codes not here belong to the step they were found at."""
 
