@@ -25,7 +25,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-__all__ = ["LAYER_INPUT", "STEP_NAMES", "WORDS", "StepWords", "meaning", "projection_formula"]
+__all__ = [
+    "LAYER_INPUT",
+    "STEP_NAMES",
+    "TILED_STEP_NAMES",
+    "TILED_WORDS",
+    "WORDS",
+    "StepWords",
+    "meaning",
+    "projection_formula",
+]
 
 
 @dataclass(frozen=True)
@@ -245,6 +254,87 @@ rows are not the token embeddings themselves."""
 
 STEP_NAMES: tuple[str, ...] = tuple(WORDS)
 """The step names, in the order of computation."""
+
+
+_TILED_WORDS = (
+    StepWords(
+        "tile_max",
+        "Row maximum of the tile",
+        "m̃ = rowmax(S'_tile)",
+        r"\tilde m = \operatorname{rowmax}(S'_{ij})",
+        "tile maximum: each query row's largest scaled score among the tile's keys",
+        "tile maximum",
+        "tile maxima",
+    ),
+    StepWords(
+        "running_max",
+        "Running maximum",
+        "m_new = max(m_old, m̃)",
+        r"m^{\text{new}} = \max(m^{\text{old}}, \tilde m)",
+        "running maximum: the largest scaled score of the row among the keys seen so far",
+        "running maximum",
+        "running maxima",
+    ),
+    StepWords(
+        "rescale",
+        "Rescale factor",
+        "α = exp(m_old − m_new)",
+        r"\alpha = e^{m^{\text{old}} - m^{\text{new}}}",
+        "rescale factor: how much the terms summed so far shrink when the maximum grows",
+        "rescale factor",
+        "rescale factors",
+    ),
+    StepWords(
+        "running_sum",
+        "Running sum",
+        "l_new = α·l_old + rowsum(exp(S'_tile − m_new))",
+        r"\ell^{\text{new}} = \alpha\,\ell^{\text{old}} + "
+        r"\operatorname{rowsum}(e^{S'_{ij} - m^{\text{new}}})",
+        "running sum: the softmax's denominator over the keys seen so far, relative to m",
+        "running sum",
+        "running sums",
+    ),
+    StepWords(
+        "accumulator",
+        "Accumulator",
+        "O_new = α·O_old + exp(S'_tile − m_new)·V_tile",
+        r"O^{\text{new}} = \alpha\,O^{\text{old}} + e^{S'_{ij} - m^{\text{new}}} V_j",
+        "accumulator: the weighted sum of value vectors so far, not yet divided by l",
+        "accumulator row",
+        "accumulator rows",
+    ),
+    StepWords(
+        "output",
+        "Output of the tiled pass",
+        "O = O_acc / l",
+        r"O = O^{\text{acc}} / \ell",
+        "output: the accumulator divided by the running sum, the context vectors",
+        "output row",
+        "output rows",
+    ),
+    StepWords(
+        "lse",
+        "Log-sum-exp",
+        "L = m + log l",
+        r"L = m + \log \ell",
+        "log-sum-exp: log of the softmax's denominator (natural log), kept for the backward",
+        "log-sum-exp",
+        "log-sum-exps",
+    ),
+)
+
+TILED_WORDS: Mapping[str, StepWords] = MappingProxyType({w.name: w for w in _TILED_WORDS})
+"""The words of the tiled (FlashAttention) algorithm's steps, by step name: ``qkv explain
+--tiled`` and tiled worked examples. A namespace of their own: ``output`` here is O / l of
+the tiled pass, not the multi-head output O = concat·W_o of :data:`WORDS`.
+
+Example:
+    >>> TILED_WORDS["rescale"].formula
+    'α = exp(m_old − m_new)'
+"""
+
+TILED_STEP_NAMES: tuple[str, ...] = tuple(TILED_WORDS)
+"""The tiled algorithm's step names, in the order of computation."""
 
 
 def meaning(name: str, description: str | None = None) -> str:

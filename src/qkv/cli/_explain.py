@@ -159,6 +159,20 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         "each step and hears which slip a wrong row shows (docs/page.md)",
     )
     parser.add_argument(
+        "--tiled",
+        action="store_true",
+        help="compute the example the way FlashAttention does, tile by tile: each tile's "
+        "scores, row maximum, running maximum m, rescale factor, running sum l and "
+        "accumulator O, then O / l, the log-sum-exp and one key block of the backward "
+        "(docs/flash.md); with --html, a page of the tiles",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int_in_range(1, MAX_BLOCK),
+        metavar="N",
+        help=f"with --tiled: queries and keys per tile, 1 to {MAX_BLOCK} (default: 2)",
+    )
+    parser.add_argument(
         "--verbose",
         "-v",
         action="store_true",
@@ -166,6 +180,9 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         "were not used",
     )
 
+
+MAX_BLOCK = 4096
+"""The largest ``--block-size``: beyond it every worked example is one tile."""
 
 _POSITION = re.compile(r"-?[0-9]+")
 """A 0-based position given to --query (ASCII digits only: '²' is a token, not 2)."""
@@ -187,6 +204,14 @@ def _step_list(text: str) -> tuple[str, ...]:
 def _run(args: argparse.Namespace) -> int:
     from qkv import render  # imported here: 'qkv --help' stays fast
 
+    if args.tiled:
+        _tiled(args)
+        return 0
+    if args.block_size is not None:
+        raise CommandError(
+            f"--block-size {args.block_size}: the size of a tile goes with --tiled. Hint: "
+            f"qkv explain --tiled --block-size {args.block_size}"
+        )
     if args.practice and not args.decode:
         _practice_allowed(args)
     if args.decode:
@@ -270,6 +295,69 @@ def _decode(args: argparse.Namespace) -> None:
         lambda width: render_decode(step, args.format, precision=args.precision, width=width),
         lambda console: console.out(
             render_decode(step, "text", precision=args.precision, width=console.width),
+            end="",
+            highlight=False,
+        ),
+    )
+
+
+def _tiled(args: argparse.Namespace) -> None:
+    """``--tiled``: the example computed tile by tile, in ``--format`` or as ``--html``."""
+    from qkv.render._tiled import DEFAULT_BLOCK, render_tiled, tiled_run
+
+    refuse_options(
+        {
+            "--trace": args.trace,
+            "--model": args.model,
+            "--hf": args.hf,
+            "--text": args.text,
+            "--layer": args.layer,
+            "--head": args.head is not None,
+            "--online": args.online,
+            "--decode": args.decode,
+            "--query": args.query,
+            "--steps": args.steps,
+            "--plot": args.plot,
+            "--practice": args.practice,
+        },
+        alongside="--tiled",
+        reason="it shows every tile of a worked example, every query row included. Hint: "
+        "qkv explain --tiled --example NAME --block-size N",
+    )
+    trace = _example_trace(args)
+    block = DEFAULT_BLOCK if args.block_size is None else args.block_size
+    try:
+        run = tiled_run(trace, block_size=block)
+    except ValueError as error:
+        raise CommandError(f"--tiled: {error}") from None
+    if args.html is not None:
+        from qkv.render._tiled_page import tiled_page
+
+        outputs = [
+            Output(
+                "--html",
+                args.html,
+                lambda path: _io.write_atomic(path, tiled_page(run, precision=args.precision)),
+                "open it in a browser",
+            )
+        ]
+        if args.output is not None:
+            text = render_tiled(run, args.format, precision=args.precision, width=args.width or 80)
+            outputs.append(
+                Output(
+                    "--output",
+                    args.output,
+                    lambda path: _io.write_atomic(path, text),
+                    args.format,
+                )
+            )
+        write_all(outputs)
+        return
+    emit(
+        args,
+        lambda width: render_tiled(run, args.format, precision=args.precision, width=width),
+        lambda console: console.out(
+            render_tiled(run, "text", precision=args.precision, width=max(console.width, 40)),
             end="",
             highlight=False,
         ),
@@ -560,6 +648,7 @@ COMMAND = Command(
         ("qkv explain --hf ./my-model --text 'The cat sat' --html model.html", "every head"),
         ("qkv explain --example two-heads --steps weights,context", "only these steps"),
         ("qkv explain --decode", "one decoding step with a KV cache = the full pass's last row"),
+        ("qkv explain --tiled --causal", "the FlashAttention algorithm, tile by tile"),
     ),
     configure=_configure,
     run=_run,

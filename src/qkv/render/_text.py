@@ -23,7 +23,7 @@ from qkv.render._model import Narrative, StepView, Table
 from qkv.render._narrative import narrate
 from qkv.trace import Trace
 
-__all__ = ["print_text", "text"]
+__all__ = ["narrative_text", "print_text", "text"]
 
 _MAX_LABEL = 20  # longer token labels are shortened with "…" in terminal tables
 
@@ -47,6 +47,11 @@ def text(trace: Trace, *, precision: int = 4, width: int = 80) -> str:
         >>> "c_t0 = 0.67·v_t0 + 0.33·v_t1 = [0.67, 0.33]" in out
         True
     """
+    return narrative_text(narrate(trace, precision=precision), width=width)
+
+
+def narrative_text(narrative: Narrative, *, width: int = 80) -> str:
+    """A narrative (of a trace, or of the tiled pass) as plain text within ``width``."""
     if width < 40:
         raise ValueError(f"width must be at least 40 columns, got {width}.")
     buffer = io.StringIO()
@@ -61,7 +66,7 @@ def text(trace: Trace, *, precision: int = 4, width: int = 80) -> str:
         emoji=False,
         markup=False,
     )
-    _print(narrate(trace, precision=precision), console)
+    _print(narrative, console)
     lines = [line.rstrip() for line in buffer.getvalue().splitlines()]
     return "\n".join(lines).strip("\n") + "\n"
 
