@@ -29,7 +29,13 @@ from qkv.examples._model import decimals_of
 
 
 def test_builtin_names_in_order() -> None:
-    assert builtin_names() == ["i-love-statistics", "the-cat-sat-on-the-mat", "two-heads"]
+    assert builtin_names() == [
+        "i-love-statistics",
+        "the-cat-sat-on-the-mat",
+        "two-heads",
+        "flash-by-hand",
+        "flash-forgot-rescale",
+    ]
 
 
 @pytest.mark.parametrize("name", builtin_names())
@@ -55,7 +61,8 @@ def test_builtin_name_forms() -> None:
 def test_builtin_unknown() -> None:
     pattern = (
         r"unknown built-in example 'i-love-stats'. Hint: did you mean 'i-love-statistics'\? "
-        r"the built-in examples are: i-love-statistics, the-cat-sat-on-the-mat, two-heads"
+        r"the built-in examples are: i-love-statistics, the-cat-sat-on-the-mat, two-heads, "
+        r"flash-by-hand, flash-forgot-rescale"
     )
     with pytest.raises(ExampleError, match=pattern):
         builtin("i-love-stats")

@@ -42,14 +42,15 @@ def test_the_doc_has_an_example_of_each_feature() -> None:
         "assumed:",
         "precision:",
         "dtype: float32",
+        "tiled:",
     ):
         assert feature in blocks, feature
 
 
-@pytest.mark.parametrize("k", range(9))
+@pytest.mark.parametrize("k", range(10))
 def test_documented_format2_examples_load_and_check_clean(k: int) -> None:
     blocks = _format2_blocks()
-    assert len(blocks) == 9
+    assert len(blocks) == 10
     example = loads(blocks[k])
     assert example.format == 2
     report = check(example)

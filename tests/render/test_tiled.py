@@ -114,7 +114,11 @@ def _status(argv: list[str]) -> int:
         (["--block-size", "two"], "argument --block-size: expected a whole number, got 'two'"),
         (["--block-size", "10" * 20], "expected a number from 1 to 4096"),
         (["--query", "love"], "--query cannot be used with --tiled"),
-        (["--practice", "--html", "x.html"], "--practice cannot be used with --tiled"),
+        (["--practice"], "--practice: it makes a practice page, which needs --html FILE"),
+        (
+            ["--practice", "--example", "two-heads", "--html", "x.html"],
+            "--practice: a tiled practice page needs one head",
+        ),
     ],
 )
 def test_bad_options_get_one_line(

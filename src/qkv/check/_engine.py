@@ -53,6 +53,7 @@ from qkv.check._policy import (
 )
 from qkv.check._report import Finding, Report
 from qkv.check._slip_words import SlipWords
+from qkv.check._tiled_check import check_tiled
 from qkv.examples import Claimed, Example, resolve
 from qkv.examples._model import decimals_of
 
@@ -165,11 +166,12 @@ def _check(example: Example) -> Report:
         pending = [row for row in here if not row.status]
         if pending:
             _judge(setup, step, pending, rows, entries, exact, ratios, words, assumed)
+    tiled = check_tiled(example, setup, correct)
     return Report(
         name=example.name,
         source=_source(example),
         tokens=tuple(example.tokens),
-        findings=tuple(_finding(row, example) for row in rows),
+        findings=(*(_finding(row, example) for row in rows), *tiled),
         query_tokens=example.query_tokens,
     )
 

@@ -52,6 +52,18 @@ DIAGNOSES = {
     "smaller weight",
     "exps-rounded-to-zero": "the exponentials were rounded to 0 and carried on: their sum is 0 "
     "and the weights 0/0 (subtract the row's largest score before exp, or keep more digits)",
+    "flash-no-rescale": "tiled: the accumulator O is not rescaled by α = exp(m_old − m_new) "
+    "when the running maximum grows",
+    "flash-sum-not-rescaled": "tiled: the running sum l is not rescaled by α = exp(m_old − "
+    "m_new) when the running maximum grows",
+    "flash-max-not-updated": "tiled: the running maximum m is not updated to the largest "
+    "score seen so far",
+    "flash-final-divide-missing": "tiled: the output is the accumulator O, not divided by the "
+    "running sum l",
+    "flash-lse-wrong-base": "tiled: the log-sum-exp in base 2 (log2 or exp2 without the "
+    "matching scale) instead of the natural log",
+    "flash-lse-without-max": "tiled: the log-sum-exp is ln l alone, without adding the "
+    "running maximum m",
     "digit-slip": "one digit wrong, or two neighbouring digits swapped; the rest is right",
     "arithmetic": "one or a few numbers wrong, with no pattern above",
     "rounding": "differs only beyond the printed precision (a note, not an error)",
@@ -79,6 +91,9 @@ class Finding:
         cause: for a consequential row, the (step, position) of the mistake it follows from.
         decimals: how many decimals to show the numbers of this row with.
         head: the head (0-based) of a per-head row (``claimed.per_head``), else None.
+        tiled: a row of the tiled algorithm (``tiled.claimed``: ``running_max``, ...).
+        key_block: for a per-tile row of a tiled example, the key block (from 0) after which
+            the value holds; None for every other row.
     """
 
     step: str
@@ -95,6 +110,8 @@ class Finding:
     cause: tuple[str, int] | None = None
     decimals: int = 4
     head: int | None = None
+    tiled: bool = False
+    key_block: int | None = None
 
     @property
     def wrong(self) -> bool:
@@ -118,6 +135,9 @@ class Finding:
         }
         if self.head is not None:
             found["head"] = self.head
+        if self.tiled:
+            found["tiled"] = True
+            found["key_block"] = self.key_block
         return found
 
 

@@ -14,18 +14,24 @@ MARKS = {"ok": "", "rounding": "~", "wrong": "✗"}
 _MAX_LABEL = 12
 
 
-def heading(step: str, head: int | None = None) -> str:
+def heading(step: str, head: int | None = None, tiled: bool = False) -> str:
     """``Q · Query vectors``; ``weights · Attention weights, head 1`` for the rows of head 1,
     the second (heads are counted from 0, as everywhere in qkv: docs/explain.md)."""
     where = "" if head is None else f", head {head}"
-    return f"{step} · {words_of(step).title}{where}"
+    if tiled:
+        where = " (tiled)"
+    return f"{step} · {words_of(step, tiled=tiled).title}{where}"
 
 
 def token_label(finding: Finding, report: ReportData) -> str:
-    """The token, with its position when it appears more than once."""
+    """The token, with its position when it appears more than once (and the key block of a
+    per-tile row of a tiled example)."""
+    label = finding.token
     if report.tokens.count(finding.token) > 1:
-        return f"{finding.token} ({finding.position})"
-    return finding.token
+        label = f"{finding.token} ({finding.position})"
+    if finding.key_block is not None:
+        label += f", key block {finding.key_block}"
+    return label
 
 
 def _short(label: str) -> str:
@@ -104,6 +110,6 @@ def summary(report: ReportData) -> list[str]:
     first = report.first_wrong
     if first is not None:
         where = f" (line {first.line})" if first.line is not None else ""
-        noun = words_of(first.step).noun(1)
+        noun = words_of(first.step, tiled=first.tiled).noun(1)
         lines.append(f'First wrong step: {first.step}, the {noun} of "{first.token}"{where}.')
     return lines

@@ -26,11 +26,11 @@ def markdown(report: ReportData) -> str:
         out += [f"Source: {markdown_escape(report.source)}", ""]
     out += [" ".join(markdown_escape(s) for s in summary(report)), ""]
     first = report.first_wrong
-    group: tuple[str, int | None] | None = None
+    group: tuple[str, int | None, bool] | None = None
     for finding in report.findings:
-        if (finding.step, finding.head) != group:
-            group = finding.step, finding.head
-            first_here = first is not None and (first.step, first.head) == group
+        if (finding.step, finding.head, finding.tiled) != group:
+            group = finding.step, finding.head, finding.tiled
+            first_here = first is not None and (first.step, first.head, first.tiled) == group
             mark = " (first wrong step)" if first_here else ""
             out += [f"## {markdown_escape(heading(*group))}{mark}", ""]
         out += _finding(finding, report)

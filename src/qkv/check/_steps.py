@@ -3,7 +3,7 @@ intermediate steps of format 2 (``exp``, ``exp_sum``, ``products``)."""
 
 from __future__ import annotations
 
-from qkv.steps import WORDS, StepWords
+from qkv.steps import TILED_WORDS, WORDS, StepWords
 
 __all__ = ["words_of"]
 
@@ -38,11 +38,14 @@ _MORE = {
 }
 
 
-def words_of(step: str) -> StepWords:
-    """The words of a step: ``words_of("exp").title`` is ``"Exponentials of the scaled scores"``.
+def words_of(step: str, *, tiled: bool = False) -> StepWords:
+    """The words of a step: ``words_of("exp").title`` is ``"Exponentials of the scaled scores"``;
+    with ``tiled``, a step of the tiled algorithm (``running_max``, its ``output`` O / l).
 
     Example:
         >>> words_of("weights").title, words_of("products").noun(2)
         ('Attention weights', 'weighted value vectors')
     """
+    if tiled:
+        return TILED_WORDS[step]
     return _MORE[step] if step in _MORE else WORDS[step]

@@ -87,12 +87,12 @@ def _lines(report: ReportData, width: int) -> Iterator[Text]:
     for sentence in summary(report):
         yield from _wrap(sentence, width, indent="")
     first = report.first_wrong
-    group: tuple[str, int | None] | None = None
+    group: tuple[str, int | None, bool] | None = None
     for k, finding in enumerate(report.findings):
-        if (finding.step, finding.head) != group:
-            group = finding.step, finding.head
+        if (finding.step, finding.head, finding.tiled) != group:
+            group = finding.step, finding.head, finding.tiled
             yield Text("")
-            first_here = first is not None and (first.step, first.head) == group
+            first_here = first is not None and (first.step, first.head, first.tiled) == group
             mark = "✗ first wrong step" if first_here else ""
             yield from _rule(heading(*group), width, mark)
         elif finding.status != "ok" or report.findings[k - 1].status != "ok":

@@ -318,12 +318,13 @@ def _tiled(args: argparse.Namespace) -> None:
             "--query": args.query,
             "--steps": args.steps,
             "--plot": args.plot,
-            "--practice": args.practice,
         },
         alongside="--tiled",
         reason="it shows every tile of a worked example, every query row included. Hint: "
         "qkv explain --tiled --example NAME --block-size N",
     )
+    if args.practice:
+        _practice_allowed(args)
     trace = _example_trace(args)
     block = DEFAULT_BLOCK if args.block_size is None else args.block_size
     try:
@@ -333,11 +334,14 @@ def _tiled(args: argparse.Namespace) -> None:
     if args.html is not None:
         from qkv.render._tiled_page import tiled_page
 
+        practice = _tiled_practice(args, block) if args.practice else None
         outputs = [
             Output(
                 "--html",
                 args.html,
-                lambda path: _io.write_atomic(path, tiled_page(run, precision=args.precision)),
+                lambda path: _io.write_atomic(
+                    path, tiled_page(run, precision=args.precision, practice=practice)
+                ),
                 "open it in a browser",
             )
         ]
@@ -534,6 +538,27 @@ def _practice_allowed(args: argparse.Namespace) -> None:
             "--practice: it makes a practice page, which needs --html FILE. Hint: qkv explain "
             "--html practice.html --practice"
         )
+
+
+def _tiled_practice(args: argparse.Namespace, block: int) -> dict[str, Any]:
+    """``--tiled --practice``: the tiled practice data of ``--example`` with the options given."""
+    import dataclasses
+
+    from qkv import examples
+    from qkv.render._practice_tiled import tiled_practice_data
+
+    example = examples.resolve(args.example or examples.builtin_names()[0])
+    options: dict[str, Any] = {"scale": False} if args.no_scale else {}
+    if args.causal:
+        options["causal"] = True
+    if args.heads is not None:
+        options["heads"] = args.heads
+    try:
+        return tiled_practice_data(
+            dataclasses.replace(example, **options), block_size=block, precision=args.precision
+        )
+    except ValueError as error:
+        raise CommandError(f"--practice: {error}") from None
 
 
 def _practice(args: argparse.Namespace) -> dict[str, Any]:

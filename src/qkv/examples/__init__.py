@@ -12,8 +12,10 @@ Shapes (row vectors, ``Q = X·W_q``): L tokens, E = d_model, H heads, D = d_k pe
 
 Example:
     >>> from qkv import examples
-    >>> examples.builtin_names()
+    >>> examples.builtin_names()[:3]
     ['i-love-statistics', 'the-cat-sat-on-the-mat', 'two-heads']
+    >>> examples.builtin_names()[3:]  # tiled (FlashAttention) examples worked by hand
+    ['flash-by-hand', 'flash-forgot-rescale']
     >>> ex = examples.builtin("i-love-statistics")
     >>> ex.embeddings @ ex.W_q
     array([[0.47, 0.68],

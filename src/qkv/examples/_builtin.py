@@ -12,7 +12,13 @@ from qkv.examples._errors import ExampleError
 from qkv.examples._format import load, parse
 from qkv.examples._model import Example
 
-BUILTIN_NAMES = ("i-love-statistics", "the-cat-sat-on-the-mat", "two-heads")
+BUILTIN_NAMES = (
+    "i-love-statistics",
+    "the-cat-sat-on-the-mat",
+    "two-heads",
+    "flash-by-hand",
+    "flash-forgot-rescale",
+)
 """The built-in examples, in order; the first is the default of ``qkv explain``."""
 
 

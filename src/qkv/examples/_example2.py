@@ -21,10 +21,11 @@ from qkv.examples._format2 import (
 from qkv.examples._model import Claimed, Example
 from qkv.examples._nodes import NodeReader, describe, join
 from qkv.examples._shapes import OPTION_KEYS, check_work, heads_of, queries_of, weights_of
+from qkv.examples._tiled_format import tiled_of
 
 __all__ = ["V2_KEYS", "build_v2"]
 
-V2_KEYS = ("inputs", "query_tokens", "precision", "assumed", "dtype")
+V2_KEYS = ("inputs", "query_tokens", "precision", "assumed", "dtype", "tiled")
 """Top-level keys that only format 2 has."""
 V2_OPTIONS = (*OPTION_KEYS, "key_length", "mask", "d_k")
 _ALIGNMENTS = {"top-left": "top-left", "bottom-right": "bottom-right"}
@@ -153,6 +154,17 @@ def build_v2(
             keys=tokens,
             queries=queries_named,
         )
+    block_size: int | None = None
+    tiled_claimed: dict[str, dict[int, Claimed]] = {}
+    if "tiled" in top:
+        block_size, tiled_claimed = tiled_of(
+            r,
+            top["tiled"],
+            allowed=_allowed(options, lq, lk),
+            d_v=d_v_all if has_v else 0,
+            heads=heads,
+            queries=queries_named,
+        )
     for array in given.values():
         array.setflags(write=False)
     return Example(
@@ -184,6 +196,8 @@ def build_v2(
         dtype=dtype,
         head_claimed=head_claimed,
         assumed=assumed,
+        block_size=block_size,
+        tiled_claimed=tiled_claimed,
     )
 
 

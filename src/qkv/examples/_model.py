@@ -92,6 +92,10 @@ class Example:
             ``dtype:`` of format 2), or None when the file does not say.
         head_claimed: per head, claimed rows of that head (step → token → row).
         assumed: rows a text takes as given (not checked; later steps use them).
+        block_size: the tile size of a tiled example (``tiled: {block_size: N}``), or None.
+        tiled_claimed: the claimed rows of the tiled steps (``tiled.claimed``): step →
+            query → the row; per-tile steps hold the values of the visited key blocks one
+            after the other (``accumulator``: d_v numbers per block).
 
     Example:
         >>> from qkv.examples import builtin
@@ -130,6 +134,8 @@ class Example:
     dtype: str | None = None
     head_claimed: tuple[Mapping[str, Mapping[int, Claimed]], ...] = ()
     assumed: Mapping[str, Mapping[int, Claimed]] = field(default_factory=dict)
+    block_size: int | None = None
+    tiled_claimed: Mapping[str, Mapping[int, Claimed]] = field(default_factory=dict)
 
     @property
     def queries_named(self) -> tuple[str, ...]:

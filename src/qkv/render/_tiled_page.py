@@ -36,8 +36,10 @@ def tiled_page_data(run: TiledRun, *, precision: int = 4) -> dict[str, Any]:
     return data
 
 
-def tiled_page(run: TiledRun, *, precision: int = 4) -> str:
-    """The HTML page of a tiled run (one file, works offline).
+def tiled_page(run: TiledRun, *, precision: int = 4, practice: dict[str, Any] | None = None) -> str:
+    """The HTML page of a tiled run (one file, works offline); with ``practice`` (the data of
+    :func:`~qkv.render._practice_tiled.tiled_practice_data`), a section below where the
+    learner types m, l and O tile by tile, each row judged as ``qkv check`` judges it.
 
     Example:
         >>> from qkv import examples
@@ -47,8 +49,30 @@ def tiled_page(run: TiledRun, *, precision: int = 4) -> str:
         (True, True)
     """
     data = tiled_page_data(run, precision=precision)
+    script = _asset("tiled.js")
+    if practice is not None:
+        data["practice"] = _visible_practice(practice)
+        script += "\n" + _asset("tiled_practice.js")
     main = (
         '<main id="qkv-tiled"><noscript>This page needs JavaScript to show the tiles.'
         "</noscript></main>"
     )
-    return self_contained(str(data["title"]), _asset("tiled.css"), _asset("tiled.js"), main, data)
+    return self_contained(str(data["title"]), _asset("tiled.css"), script, main, data)
+
+
+def _visible_practice(practice: dict[str, Any]) -> dict[str, Any]:
+    """The practice data with every token label made visible (control characters written
+    out); the sentences come from ``qkv check``, which already quotes tokens visibly."""
+    out = dict(practice)
+    out["tokens"] = [visible(t) for t in practice["tokens"]]
+    out["tiles"] = [
+        {
+            **tile,
+            "keys": [visible(t) for t in tile["keys"]],
+            "queries": [visible(t) for t in tile["queries"]],
+            "rows": [{**row, "label": visible(row["label"])} for row in tile["rows"]],
+        }
+        for tile in practice["tiles"]
+    ]
+    out["final"] = [{**row, "label": visible(row["label"])} for row in practice["final"]]
+    return out
