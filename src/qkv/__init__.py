@@ -35,7 +35,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 _SUBMODULES = (
     "examples", "render", "cli", "nn", "positional", "check", "kernels",
-    "embeddings", "data", "train", "distributed", "hf", "edits",
+    "embeddings", "data", "train", "distributed", "hf", "edits", "flash_attn",
 )  # fmt: skip
 
 _EDITS = ("intervene", "patching", "head_stats", "logit_diff", "prob")
@@ -43,8 +43,8 @@ _EDITS = ("intervene", "patching", "head_stats", "logit_diff", "prob")
 
 
 def __getattr__(name: str) -> Any:
-    """``qkv.examples``, ``qkv.render``, ``qkv.cli``, ``qkv.nn`` (PyTorch) and
-    ``qkv.positional`` load on first use, as do ``qkv.flex_attention`` and the interventions
+    """``qkv.examples``, ``qkv.render``, ``qkv.cli``, ``qkv.nn``, ``qkv.flash_attn`` (PyTorch)
+    and ``qkv.positional`` load on first use, as do ``qkv.flex_attention`` and the interventions
     of ``qkv.edits`` (``qkv.intervene``, ``qkv.patching``, ``qkv.head_stats``, ``qkv.logit_diff``,
     ``qkv.prob``; PyTorch)."""
     if name in _SUBMODULES:

@@ -1,0 +1,598 @@
+"""flash-attn 2's attention functions, with its signatures, layouts and semantics, on qkv.
+
+Padded batches are (batch, seqlen, nheads, headdim); packed sequences are (total, nheads,
+headdim) with ``cu_seqlens``. Causal masks, windows and ALiBi are aligned to the
+bottom-right corner when a sequence has more keys than queries, as in flash-attn.
+Gradients flow to q, k and v through qkv's kernels (``deterministic`` is accepted: qkv's
+backward pass always is).
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+from typing import Any
+
+import torch
+
+from qkv.attention._packed import offsets, packed_rule
+from qkv.flash_attn._core import (
+    Positions,
+    Result,
+    attend,
+    check_dtypes,
+    check_heads,
+    fail,
+    window,
+)
+from qkv.masks import Mask, sliding_window
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+]
+
+
+def _batch_positions(
+    batch: int, lq: int, lk: int, left: int | None, right: int | None, device: Any
+) -> Positions:
+    """Every sequence of a padded batch has Lq queries and Lk keys."""
+    rows = torch.arange(batch, device=device)[:, None]
+    mask: Mask | None = None
+    if left is not None or right is not None:
+        far = lq + lk  # as good as no limit
+        mask = sliding_window(
+            far if left is None else left, far if right is None else right, alignment="bottom-right"
+        )
+    return Positions(
+        seq_q=rows.expand(batch, lq),
+        rel_q=(torch.arange(lq, device=device) - lq).expand(batch, lq),
+        seq_k=rows.expand(batch, lk),
+        rel_k=(torch.arange(lk, device=device) - lk).expand(batch, lk),
+        keys_q=torch.full((batch, lq), lk, device=device),
+        sequences=batch,
+        mask=mask,
+    )
+
+
+def _kernel_causal(left: int | None, right: int | None, keys: int) -> bool:
+    """Whether flash-attn's kernel takes its causal path (``is_causal`` after it drops a
+    left window that covers every key)."""
+    return (left is None or left >= keys) and right == 0
+
+
+def _batched(
+    who: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    names: tuple[str, str, str],
+    *,
+    dropout_p: float,
+    softmax_scale: float | None,
+    causal: bool,
+    window_size: Any,
+    softcap: float,
+    alibi_slopes: Any,
+    return_attn_probs: bool,
+) -> Any:
+    """The padded-batch functions: q (B, Lq, H, D), k and v (B, Lk, Hkv, D)."""
+    check_dtypes(who, **{names[0]: q, names[1]: k, names[2]: v})
+    for name, x in zip(names, (q, k, v), strict=True):
+        if x.ndim != 4:
+            raise fail(
+                who,
+                f"{name} must be (batch, seqlen, nheads, headdim), got shape "
+                f"{tuple(x.shape)}. Hint: packed (total, nheads, headdim) sequences go to "
+                "flash_attn_varlen_func.",
+            )
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise fail(
+            who,
+            f"{names[0]} {tuple(q.shape)}, {names[1]} {tuple(k.shape)} and {names[2]} "
+            f"{tuple(v.shape)} do not fit: expected k and v of one shape, with q's batch and "
+            "headdim.",
+        )
+    check_heads(who, int(q.shape[2]), int(k.shape[2]), names[1])
+    batch, lq, lk = int(q.shape[0]), int(q.shape[1]), int(k.shape[1])
+    left, right = window(who, window_size, causal)
+    where = _batch_positions(batch, lq, lk, left, right, q.device)
+    result = attend(
+        who,
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        where,
+        softmax_scale=softmax_scale,
+        kernel_causal=_kernel_causal(left, right, lk),
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        dropout_p=dropout_p,
+        want_lse=return_attn_probs,
+        want_probs=return_attn_probs,
+    )
+    out = result.out.transpose(1, 2).contiguous()
+    if return_attn_probs:
+        return out, result.lse, result.probs
+    return out
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] | torch.Tensor = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Any:
+    """flash-attn's ``flash_attn_func``: q (batch, seqlen_q, nheads, headdim), k and v
+    (batch, seqlen_k, nheads_k, headdim), nheads_k dividing nheads (GQA/MQA).
+
+    ``causal`` and ``window_size=(left, right)`` are aligned to the bottom-right corner:
+    query i sees keys i + Lk − Lq − left … i + Lk − Lq + right (−1: no limit), and a row
+    with no key gets zeros. ``softcap`` > 0 caps the scaled scores, cap · tanh(s / cap),
+    before ``alibi_slopes`` ((nheads,) or (batch, nheads)) add −slope · |i + Lk − Lq − j|.
+
+    Returns:
+        out (batch, seqlen_q, nheads, headdim); with ``return_attn_probs``,
+        ``(out, softmax_lse, S_dmask)``: the natural log-sum-exp of each row's scores,
+        (batch, nheads, seqlen_q), float32 (float64 for float64 inputs), +inf for a row with
+        no key; and the exact probabilities (batch, nheads, seqlen_q, seqlen_k), negative
+        where dropout dropped them. flash-attn's own are approximate and padded.
+
+    Example:
+        >>> import torch
+        >>> from qkv.flash_attn import flash_attn_func
+        >>> q, k, v = (torch.randn(2, 5, 4, 8) for _ in range(3))
+        >>> out = flash_attn_func(q, k, v, causal=True)
+        >>> tuple(out.shape)
+        (2, 5, 4, 8)
+        >>> expected = torch.nn.functional.scaled_dot_product_attention(
+        ...     q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        >>> bool(torch.allclose(out, expected.transpose(1, 2), atol=1e-6))
+        True
+    """
+    del deterministic  # qkv's backward pass is deterministic
+    return _batched(
+        "flash_attn_func",
+        q,
+        k,
+        v,
+        ("q", "k", "v"),
+        dropout_p=dropout_p,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        return_attn_probs=return_attn_probs,
+    )
+
+
+def flash_attn_qkvpacked_func(
+    qkv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] | torch.Tensor = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Any:
+    """flash-attn's ``flash_attn_qkvpacked_func``: ``qkv`` (batch, seqlen, 3, nheads,
+    headdim); otherwise :func:`flash_attn_func`.
+
+    Example:
+        >>> import torch
+        >>> qkv = torch.randn(2, 5, 3, 4, 8)
+        >>> out = flash_attn_qkvpacked_func(qkv, causal=True)
+        >>> bool(torch.equal(out, flash_attn_func(*qkv.unbind(2), causal=True)))
+        True
+    """
+    del deterministic
+    who = "flash_attn_qkvpacked_func"
+    if not isinstance(qkv, torch.Tensor) or qkv.ndim != 5 or qkv.shape[2] != 3:
+        raise fail(who, f"qkv must be (batch, seqlen, 3, nheads, headdim), got {_shape(qkv)}.")
+    q, k, v = qkv.unbind(2)
+    return _batched(
+        who,
+        q,
+        k,
+        v,
+        ("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"),
+        dropout_p=dropout_p,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        return_attn_probs=return_attn_probs,
+    )
+
+
+def flash_attn_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] | torch.Tensor = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Any:
+    """flash-attn's ``flash_attn_kvpacked_func``: q (batch, seqlen_q, nheads, headdim), ``kv``
+    (batch, seqlen_k, 2, nheads_k, headdim); otherwise :func:`flash_attn_func`.
+
+    Example:
+        >>> import torch
+        >>> q, kv = torch.randn(1, 3, 4, 8), torch.randn(1, 6, 2, 2, 8)
+        >>> tuple(flash_attn_kvpacked_func(q, kv, causal=True).shape)
+        (1, 3, 4, 8)
+    """
+    del deterministic
+    who = "flash_attn_kvpacked_func"
+    if not isinstance(kv, torch.Tensor) or kv.ndim != 5 or kv.shape[2] != 2:
+        raise fail(who, f"kv must be (batch, seqlen_k, 2, nheads_k, headdim), got {_shape(kv)}.")
+    k, v = kv.unbind(2)
+    return _batched(
+        who,
+        q,
+        k,
+        v,
+        ("q", "kv[:, :, 0]", "kv[:, :, 1]"),
+        dropout_p=dropout_p,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        return_attn_probs=return_attn_probs,
+    )
+
+
+def _shape(x: Any) -> str:
+    return f"shape {tuple(x.shape)}" if hasattr(x, "shape") else type(x).__name__
+
+
+def _varlen_positions(
+    starts_q: list[int], starts_k: list[int], left: int | None, right: int | None, device: Any
+) -> Positions:
+    """Packed sequences: one batch row, the sequences one after another."""
+    lengths_q = torch.tensor([b - a for a, b in pairwise(starts_q)], device=device)
+    lengths_k = torch.tensor([b - a for a, b in pairwise(starts_k)], device=device)
+    ids_q = torch.repeat_interleave(torch.arange(len(lengths_q), device=device), lengths_q)
+    ids_k = torch.repeat_interleave(torch.arange(len(lengths_k), device=device), lengths_k)
+    ends_q = torch.tensor(starts_q[1:], device=device)
+    ends_k = torch.tensor(starts_k[1:], device=device)
+    return Positions(
+        seq_q=ids_q[None],
+        rel_q=(torch.arange(len(ids_q), device=device) - ends_q[ids_q])[None],
+        seq_k=ids_k[None],
+        rel_k=(torch.arange(len(ids_k), device=device) - ends_k[ids_k])[None],
+        keys_q=lengths_k[ids_q][None],
+        sequences=len(starts_q) - 1,
+        mask=packed_rule(starts_q, starts_k, left, right),
+    )
+
+
+def _varlen(
+    who: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    names: tuple[str, str, str],
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    dropout_p: float,
+    softmax_scale: float | None,
+    causal: bool,
+    window_size: Any,
+    softcap: float,
+    alibi_slopes: Any,
+    return_attn_probs: bool,
+    block_table: Any = None,
+) -> Any:
+    """The packed functions: q (total_q, H, D), k and v (total_k, Hkv, D)."""
+    check_dtypes(who, **{names[0]: q, names[1]: k, names[2]: v})
+    if block_table is not None:
+        k, v = _gather_pages(who, k, v, block_table, cu_seqlens_k)
+    for name, x in zip(names, (q, k, v), strict=True):
+        if x.ndim != 3:
+            raise fail(
+                who,
+                f"{name} must be (total, nheads, headdim), the sequences concatenated, got "
+                f"shape {tuple(x.shape)}. Hint: a padded batch goes to flash_attn_func.",
+            )
+    if k.shape != v.shape or k.shape[2] != q.shape[2]:
+        raise fail(
+            who,
+            f"{names[0]} {tuple(q.shape)}, {names[1]} {tuple(k.shape)} and {names[2]} "
+            f"{tuple(v.shape)} do not fit: expected k and v of one shape, with q's headdim.",
+        )
+    check_heads(who, int(q.shape[1]), int(k.shape[1]), names[1])
+    starts_q = offsets(cu_seqlens_q, "cu_seqlens_q", int(q.shape[0]), names[0], who)
+    starts_k = offsets(cu_seqlens_k, "cu_seqlens_k", int(k.shape[0]), names[1], who)
+    if len(starts_q) != len(starts_k):
+        raise fail(
+            who,
+            f"cu_seqlens_q has {len(starts_q)} entries and cu_seqlens_k {len(starts_k)}; "
+            "expected the same batch_size + 1. Hint: a leading 0, then one running total per "
+            "sequence, for queries and keys alike.",
+        )
+    for name, starts, given in (
+        ("max_seqlen_q", starts_q, max_seqlen_q),
+        ("max_seqlen_k", starts_k, max_seqlen_k),
+    ):
+        longest = max(b - a for a, b in pairwise(starts))
+        if isinstance(given, bool) or not isinstance(given, int) or given < longest:
+            raise fail(
+                who,
+                f"{name} must be an integer ≥ the longest sequence ({longest}), got {given!r}.",
+            )
+    left, right = window(who, window_size, causal)
+    where = _varlen_positions(starts_q, starts_k, left, right, q.device)
+    result = attend(
+        who,
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        where,
+        softmax_scale=softmax_scale,
+        kernel_causal=_kernel_causal(left, right, max_seqlen_k),
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        dropout_p=dropout_p,
+        want_lse=return_attn_probs,
+        want_probs=return_attn_probs,
+    )
+    out = result.out[0].transpose(0, 1).contiguous()
+    if not return_attn_probs:
+        return out
+    assert result.lse is not None and result.probs is not None
+    return out, result.lse[0], _unpack(result, starts_q, starts_k, max_seqlen_q, max_seqlen_k)
+
+
+def _gather_pages(
+    who: str, k: torch.Tensor, v: torch.Tensor, block_table: Any, cu_seqlens_k: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paged k and v (num_blocks, page_block_size, nheads_k, headdim) as packed (total_k,
+    nheads_k, headdim): sequence s's key p is in page ``block_table[s, p // size]``."""
+    if k.ndim != 4 or k.shape != v.shape:
+        raise fail(
+            who,
+            f"with block_table, k and v must be pages of one shape (num_blocks, "
+            f"page_block_size, nheads_k, headdim), got {tuple(k.shape)} and {tuple(v.shape)}.",
+        )
+    ends = torch.as_tensor(cu_seqlens_k).flatten()
+    total = int(ends[-1]) if ends.numel() else 0
+    starts = offsets(cu_seqlens_k, "cu_seqlens_k", total, "the pages", who)
+    batch = len(starts) - 1
+    if (
+        not isinstance(block_table, torch.Tensor)
+        or block_table.is_floating_point()
+        or block_table.dtype == torch.bool
+        or block_table.ndim != 2
+        or block_table.shape[0] != batch
+    ):
+        got = (
+            f"{block_table.dtype} of {_shape(block_table)}"
+            if isinstance(block_table, torch.Tensor)
+            else type(block_table).__name__
+        )
+        raise fail(
+            who,
+            f"block_table must be integers of shape ({batch}, max_num_blocks_per_seq), one "
+            f"row of pages per sequence, got {got}.",
+        )
+    num_blocks, size = int(k.shape[0]), int(k.shape[1])
+    table = block_table.tolist()
+    picked: list[int] = []
+    for s, (a, b) in enumerate(pairwise(starts)):
+        used = table[s][: -(-(b - a) // size)]
+        if (b - a) > len(table[s]) * size:
+            raise fail(
+                who,
+                f"sequence {s} has {b - a} keys but block_table holds {len(table[s])} pages "
+                f"of {size} for it.",
+            )
+        bad = [n for n in used if not 0 <= n < num_blocks]
+        if bad:
+            raise fail(
+                who,
+                f"block_table[{s}] holds page {bad[0]}, outside k's {num_blocks} pages.",
+            )
+        picked += [page * size + p for page in used for p in range(size)][: b - a]
+    index = torch.tensor(picked, dtype=torch.int64, device=k.device)
+    return k.flatten(0, 1)[index], v.flatten(0, 1)[index]
+
+
+def _unpack(
+    result: Result, starts_q: list[int], starts_k: list[int], max_q: int, max_k: int
+) -> torch.Tensor:
+    """The packed probabilities (1, H, total_q, total_k) as (batch, H, max_q, max_k)."""
+    assert result.probs is not None
+    packed = result.probs[0]
+    out = packed.new_zeros(len(starts_q) - 1, packed.shape[0], max_q, max_k)
+    for s, ((q0, q1), (k0, k1)) in enumerate(
+        zip(pairwise(starts_q), pairwise(starts_k), strict=True)
+    ):
+        out[s, :, : q1 - q0, : k1 - k0] = packed[:, q0:q1, k0:k1]
+    return out
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] | torch.Tensor = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
+) -> Any:
+    """flash-attn's ``flash_attn_varlen_func``: sequences packed with no padding.
+
+    q is (total_q, nheads, headdim), k and v (total_k, nheads_k, headdim); sequence s holds
+    rows ``cu_seqlens_q[s]`` to ``cu_seqlens_q[s + 1]`` of q (``cu_seqlens_k`` for k and v),
+    and attends only to itself, with causal, window and ALiBi aligned to its own
+    bottom-right corner. The other arguments are those of :func:`flash_attn_func`.
+    With ``block_table`` (batch, max_num_blocks_per_seq), k and v are pages (num_blocks,
+    page_block_size, nheads_k, headdim): key p of sequence s is in page
+    ``block_table[s, p // page_block_size]``.
+
+    Returns:
+        out (total_q, nheads, headdim); with ``return_attn_probs``, ``(out, softmax_lse,
+        S_dmask)``: softmax_lse (nheads, total_q) and the exact probabilities (batch, nheads,
+        max_seqlen_q, max_seqlen_k), zero beyond each sequence.
+
+    Example:
+        >>> import torch
+        >>> cu = torch.tensor([0, 3, 8], dtype=torch.int32)   # sequences of 3 and 5 tokens
+        >>> q = k = v = torch.randn(8, 2, 16)
+        >>> out = flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, causal=True)
+        >>> alone = flash_attn_func(q[None, 3:], k[None, 3:], v[None, 3:], causal=True)
+        >>> bool(torch.allclose(out[3:], alone[0], atol=1e-6))
+        True
+    """
+    del deterministic
+    return _varlen(
+        "flash_attn_varlen_func",
+        q,
+        k,
+        v,
+        ("q", "k", "v"),
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p=dropout_p,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        return_attn_probs=return_attn_probs,
+        block_table=block_table,
+    )
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] | torch.Tensor = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Any:
+    """flash-attn's ``flash_attn_varlen_qkvpacked_func``: ``qkv`` (total, 3, nheads,
+    headdim), one ``cu_seqlens`` for queries and keys; otherwise
+    :func:`flash_attn_varlen_func`.
+
+    Example:
+        >>> import torch
+        >>> cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+        >>> tuple(flash_attn_varlen_qkvpacked_func(torch.randn(6, 3, 2, 8), cu, 4).shape)
+        (6, 2, 8)
+    """
+    del deterministic
+    who = "flash_attn_varlen_qkvpacked_func"
+    if not isinstance(qkv, torch.Tensor) or qkv.ndim != 4 or qkv.shape[1] != 3:
+        raise fail(who, f"qkv must be (total, 3, nheads, headdim), got {_shape(qkv)}.")
+    q, k, v = qkv.unbind(1)
+    return _varlen(
+        who,
+        q,
+        k,
+        v,
+        ("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"),
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        dropout_p=dropout_p,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        return_attn_probs=return_attn_probs,
+    )
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] | torch.Tensor = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Any:
+    """flash-attn's ``flash_attn_varlen_kvpacked_func``: q (total_q, nheads, headdim), ``kv``
+    (total_k, 2, nheads_k, headdim); otherwise :func:`flash_attn_varlen_func`.
+
+    Example:
+        >>> import torch
+        >>> cu_q, cu_k = torch.tensor([0, 1, 3]), torch.tensor([0, 4, 9])
+        >>> out = flash_attn_varlen_kvpacked_func(
+        ...     torch.randn(3, 2, 8), torch.randn(9, 2, 1, 8), cu_q, cu_k, 2, 5)
+        >>> tuple(out.shape)
+        (3, 2, 8)
+    """
+    del deterministic
+    who = "flash_attn_varlen_kvpacked_func"
+    if not isinstance(kv, torch.Tensor) or kv.ndim != 4 or kv.shape[1] != 2:
+        raise fail(who, f"kv must be (total_k, 2, nheads_k, headdim), got {_shape(kv)}.")
+    k, v = kv.unbind(1)
+    return _varlen(
+        who,
+        q,
+        k,
+        v,
+        ("q", "kv[:, 0]", "kv[:, 1]"),
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p=dropout_p,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        return_attn_probs=return_attn_probs,
+    )
