@@ -11,6 +11,10 @@ folder, a scrubbed environment, resource limits, nothing outliving the check; un
 bubblewrap, where installed, a read-only system and no network: docs/check-function.md).
 Loading a file runs its code, as ``python FILE.py`` would.
 
+:func:`check_flash` checks a FlashAttention (a student's tiled forward and backward, a
+kernel returning (O, L), a split-KV merge) against the float64 oracle and names the slip
+(``flash-no-rescale``, ``flash-lse-wrong-base``, ...).
+
 :func:`grade_attention` gives the same check as credit per step (the parts of ``qkv grade``:
 scores, scaling, mask, softmax, weighted sum, heads), for a notebook cell or an autograder
 that reports points (docs/grading.md).
@@ -37,6 +41,7 @@ from typing import Any
 from qkv.check import FUNCTION_DIAGNOSES, FunctionError, FunctionReport
 from qkv.check import check_function as _check_function
 from qkv.check import check_function_file as _check_function_file
+from qkv.check._flash import check_flash as _check_flash
 from qkv.grade import KINDS, Grade, PartResult, Rubric, Settings, load_rubric
 from qkv.grade._credit import credit_function
 
@@ -48,6 +53,7 @@ __all__ = [
     "PartResult",
     "assert_attention",
     "check_attention",
+    "check_flash",
     "grade_attention",
 ]
 
@@ -117,6 +123,42 @@ def check_attention(
     )
 
 
+def check_flash(
+    fn: Callable[..., Any] | type,
+    *,
+    contract: str = "full",
+) -> FunctionReport:
+    """Check a FlashAttention forward (and backward) against the float64 oracle, naming the
+    slip (``flash-no-rescale``, ``flash-lse-wrong-base``, ``flash-causal-offset``, ...:
+    docs/check-function.md); the report of ``qkv check --function FILE.py:NAME --kind
+    flash``, in this process.
+
+    Args:
+        fn: ``fn(Q, K, V, is_causal)`` returning ``(O, L)`` or ``O`` (a kernel, a split-KV
+            merge, a ring attention step), or a ``torch.autograd.Function`` subclass in
+            CS336's convention (``fn.apply(Q, K, V, is_causal)`` returns O and saves L of
+            shape (batch, n_queries), natural log; its backward's dQ, dK, dV are checked).
+        contract: ``"full"`` (every probe) or ``"cs336"`` (CS336's part (a):
+            ``is_causal`` may be ignored, power-of-2 lengths ≥ 16).
+
+    Raises:
+        FunctionError: it raises on every probe.
+
+    Example:
+        >>> import torch
+        >>> def kernel(Q, K, V, is_causal=False):      # the log-sum-exp in base 2
+        ...     s = Q @ K.transpose(-1, -2) / Q.shape[-1] ** 0.5
+        ...     if is_causal:
+        ...         n = s.shape[-1]
+        ...         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -torch.inf)
+        ...     lse = torch.logsumexp(s, -1)
+        ...     return torch.softmax(s, -1) @ V, lse / torch.log(torch.tensor(2.0))
+        >>> [f.diagnosis for f in check_flash(kernel).findings]
+        ['flash-lse-wrong-base']
+    """
+    return _check_flash(fn, contract=contract)
+
+
 def assert_attention(
     fn: Callable[..., Any] | str,
     kind: str = "attention",
@@ -181,6 +223,14 @@ def grade_attention(
     found in it costs them; a part computed right on an earlier slip keeps its points
     (follow-through). A part the function cannot take (the mask, without a mask argument)
     earns nothing; give it 0 points in the rubric if the assignment has none.
+
+    What it trusts: ``"FILE.py:NAME"`` runs in a sandboxed process that holds nothing of
+    qkv, and nothing that code does can change the verdict (docs/isolation.md). A function
+    object runs in *your* process: its code could change anything there, so grade only
+    trusted code this way (an autograder's own notebook, your tests). Even then, the
+    judging keeps its own references to the NumPy functions it compares with, bound when
+    qkv is imported, so a function that replaces ``np.allclose`` or ``np.isclose`` while it
+    runs does not change its grade.
 
     Args:
         rubric: a :class:`~qkv.grade.Rubric`, the path of a rubric file, or None (1 point

@@ -42,6 +42,7 @@ Example:
 
 from qkv.check._diagnose import slips_for
 from qkv.check._engine import check
+from qkv.check._flash import check_flash, check_flash_file
 from qkv.check._function import (
     FUNCTION_DIAGNOSES,
     ISOLATIONS,
@@ -70,6 +71,8 @@ __all__ = [
     "Slip",
     "Values",
     "check",
+    "check_flash",
+    "check_flash_file",
     "check_function",
     "check_function_file",
     "check_module",

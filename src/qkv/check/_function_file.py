@@ -36,7 +36,16 @@ from numpy.typing import NDArray
 
 from qkv._read import size_text
 from qkv.check._channel import Channel, ChannelError, Clock
-from qkv.check._function_run import FunctionError, Outcome, run_probes, student_text, takes_mask
+from qkv.check._function_run import (
+    FunctionError,
+    Outcome,
+    run_probes,
+    student_text,
+    takes_mask,
+)
+from qkv.check._function_run import (
+    raised as raised_text,
+)
 from qkv.check._sandbox import STARTUP_SECONDS, Finished, Limits, Sandbox, cpu_seconds, start
 
 __all__ = [
@@ -63,6 +72,36 @@ outcomes."""
 
 
 @dataclass(frozen=True)
+class FlashReply:
+    """What a FlashAttention forward (and backward) returned in the student's process.
+
+    Attributes:
+        out: O. lse: the candidates for L (the second item returned, or the saved tensors
+            of the right shape). grads: dQ, dK, dV, when its backward ran.
+        backward_raised: the backward's exception, escaped, or None.
+        autograd: whether it is a ``torch.autograd.Function``.
+    """
+
+    out: NDArray[np.float64]
+    lse: tuple[NDArray[np.float64], ...]
+    grads: tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]] | None
+    backward_raised: str | None
+    autograd: bool
+
+
+class FlashCallError(Exception):
+    """The student's FlashAttention raised, or returned no tensor (the words, escaped)."""
+
+
+FlashCall = Callable[[list[NDArray[Any]], bool], FlashReply]
+"""Calls the student's FlashAttention on Q, K, V, dO (float32) and is_causal."""
+
+FlashProbes = Callable[[FlashCall], Any]
+"""Probes a FlashAttention entry point through its :data:`FlashCall`; what it returns is
+:attr:`FileRun.flash`."""
+
+
+@dataclass(frozen=True)
 class FileRun:
     """What checking ``FILE.py:NAME`` brought back.
 
@@ -78,6 +117,7 @@ class FileRun:
         file_error: the file's own errors, as one escaped line, or None.
         adapter: a class: every field of the adapter's result but its function (JSON
             scalars; texts escaped and cut to 300 characters).
+        flash: with ``flash_probes``, what they returned.
     """
 
     path: Path
@@ -91,6 +131,7 @@ class FileRun:
     about: str = ""
     file_error: str | None = None
     adapter: dict[str, Scalar] = field(default_factory=dict)
+    flash: Any = None
 
 
 def check_timeout(timeout: object) -> float:
@@ -319,6 +360,52 @@ def _proxy(judge: _Judge, signature: inspect.Signature | None, name: str) -> Cal
     return proxy
 
 
+def _flash_call(judge: _Judge) -> FlashCall:
+    """The student's FlashAttention as seen here: each call goes to the student's process,
+    and what comes back is checked as any reply (sizes by the channel, the rest here)."""
+
+    def call(arrays: list[NDArray[Any]], causal: bool) -> FlashReply:
+        sent = [np.ascontiguousarray(a, dtype=np.float32) for a in arrays]
+        judge.clock.calls += 1
+        try:
+            reply, got = judge.ask({"op": "flash", "causal": bool(causal)}, sent)
+        except ChannelError as exc:
+            raise _Stop(exc) from None
+        keys = set(reply) - {"arrays"}
+        if keys == {"flash", "autograd", "lse", "grads", "backward_raised"}:
+            count, grads, raised = reply["lse"], reply["grads"], reply["backward_raised"]
+            if not (
+                isinstance(count, int)
+                and not isinstance(count, bool)
+                and 0 <= count <= 4
+                and isinstance(grads, bool)
+                and isinstance(reply["autograd"], bool)
+                and (raised is None or isinstance(raised, str))
+                and len(got) == 1 + count + 3 * grads
+            ):
+                raise _garbage("a FlashAttention reply whose arrays do not match its header")
+            three = (got[-3], got[-2], got[-1]) if grads else None
+            return FlashReply(
+                out=got[0],
+                lse=tuple(got[1 : 1 + count]),
+                grads=three,
+                backward_raised=None if raised is None else student_text(raised),
+                autograd=reply["autograd"],
+            )
+        try:
+            value = _returned(reply, got)
+        except _Stop:
+            raise
+        except Exception as exc:  # the student's exception, as the runner named it
+            text = raised_text(exc)
+            said = text if text.startswith("returned ") else f"raised {text}"
+            raise FlashCallError(said) from None
+        name = student_text(type(value).__name__, 60)
+        raise FlashCallError(f"returned {name}, not a tensor")
+
+    return call
+
+
 def _scalars(fields: object) -> dict[str, Scalar]:
     """The adapter's fields: each a JSON scalar, its text escaped and cut."""
     if not isinstance(fields, dict) or len(fields) > 64:
@@ -347,6 +434,7 @@ def run_file(
     adapt: str = "",
     isolation: str = "auto",
     module_probes: ModuleProbes | None = None,
+    flash_probes: FlashProbes | None = None,
 ) -> FileRun:
     """Run ``FILE.py:NAME`` on the probes of ``kind`` (the arguments of
     :func:`~qkv.check._function_run.run_probes`): the file and the function in the student's
@@ -355,7 +443,9 @@ def run_file(
     :func:`~qkv.check._module_adapt.adapt_class` in the student's process; then
     ``module_probes(fn, fields)``, when given, probes it here instead of ``run_probes``
     (``fields``: the adapter's scalar fields, as :attr:`FileRun.adapter`; what it returns
-    first becomes :attr:`FileRun.array`). ``timeout`` counts the student's code: the file's
+    first becomes :attr:`FileRun.array`). ``flash_probes(call)``, when given, probes a
+    FlashAttention entry point instead (``--kind flash``; what it returns is
+    :attr:`FileRun.flash`). ``timeout`` counts the student's code: the file's
     loading and every call.
 
     Raises:
@@ -386,7 +476,7 @@ def run_file(
                     ) from None
                 raise _Stop(exc) from None
             return _judge(judge, box, path, name, shown, kind, adapt, mask_means, array,
-                          batched, num_kv_heads, module_probes)  # fmt: skip
+                          batched, num_kv_heads, module_probes, flash_probes)  # fmt: skip
         except _Stop as stop:
             raise FunctionError(_stopped(stop.error, box, judge, shown, path, limits)) from None
         except _Unsendable as bug:
@@ -406,6 +496,7 @@ def _judge(
     batched: bool,
     num_kv_heads: int | None,
     module_probes: ModuleProbes | None,
+    flash_probes: FlashProbes | None = None,
 ) -> FileRun:
     what = "class" if adapt else "function"
     request: dict[str, Any] = {"op": "load", "path": str(path.resolve()), "name": name}
@@ -435,6 +526,18 @@ def _judge(
         kind, causal, about = str(got_kind), got_causal, got_about
     elif fields:
         raise _garbage("a function's load reply with the adapter's fields")
+    if flash_probes is not None:
+        return FileRun(
+            path=path,
+            name=name,
+            array="torch",
+            with_mask=False,
+            outcomes=[],
+            isolation=box.isolation,
+            kind=str(kind),
+            file_error=escaped,
+            flash=flash_probes(_flash_call(judge)),
+        )
     if adapt and module_probes is not None:
         used, outcomes = module_probes(proxy, dict(fields))
     else:

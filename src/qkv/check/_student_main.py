@@ -22,7 +22,18 @@ cannot write, or ``{"array": I, "library": "numpy" | "torch"}``.
   "missing" | "module", "message": ..., "file_error": ...}``;
 - ``{"op": "call", "args", "kwargs"}``: call it. Reply ``{"items": null}`` and one array,
   ``{"items": N, "container": "tuple" | "list"}`` and N arrays, ``{"returned": TYPE}``,
-  ``{"too_large": SHAPE}``, or ``{"raised": NAME, "message": TEXT}``.
+  ``{"too_large": SHAPE}``, or ``{"raised": NAME, "message": TEXT}``;
+- ``{"op": "flash", "causal"}`` with the arrays Q, K, V (float32, sent to torch) and dO:
+  call a FlashAttention forward, ``NAME(Q, K, V, causal)`` or, for a
+  ``torch.autograd.Function``, ``NAME.apply(Q, K, V, causal)`` with ``requires_grad``
+  inputs, then ``backward(dO)`` when it has a backward of its own. Reply ``{"flash": true,
+  "autograd", "lse": N, "grads": bool, "backward_raised": TEXT | null}`` and the arrays
+  O, N candidates for L (the second item returned, or the saved tensors of shape Q's less
+  its last axis) and dQ, dK, dV when ``grads``; or a reply of ``call``'s for what is no
+  tensor, or an exception.
+
+The student's ``torch.compile`` runs eagerly here (``TORCHDYNAMO_DISABLE=1``): compiling
+changes speed, not results, and costs tens of seconds per shape on a CPU.
 
 Every text sent is raw: the judge escapes it.
 """
@@ -288,6 +299,67 @@ def _call(fn: Any, request: dict[str, Any], arrays: list[Any]) -> tuple[dict[str
         return {"returned": _type_name(value)}, []
 
 
+_LSE_CANDIDATES = 4  # saved tensors sent back as candidates for L
+
+
+def _flash(fn: Any, request: dict[str, Any], arrays: list[Any]) -> tuple[dict[str, Any], list[Any]]:
+    """Run a FlashAttention forward (and backward) on Q, K, V and dO: the reply."""
+    import numpy as np
+    import torch
+
+    q, k, v = (torch.from_numpy(np.asarray(a, dtype=np.float32)) for a in arrays[:3])
+    d_out = torch.from_numpy(np.asarray(arrays[3], dtype=np.float32)) if len(arrays) > 3 else None
+    causal = bool(request.get("causal"))
+    autograd = isinstance(fn, type) and issubclass(fn, torch.autograd.Function)
+    inputs = [x.requires_grad_(autograd) for x in (q, k, v)]
+    try:
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            value = fn.apply(*inputs, causal) if autograd else fn(*inputs, causal)
+    except BaseException as exc:  # the student's code may raise anything: it is a finding
+        return {"raised": _type_name(exc), "message": _text(exc)}, []
+    try:
+        pair = isinstance(value, (tuple, list)) and len(value) > 0
+        out = value[0] if pair else value
+        if not isinstance(out, torch.Tensor) or out.ndim == 0:
+            return {"returned": _type_name(value)}, []
+        found: list[Any] = []
+        if autograd:
+            saved = getattr(getattr(out, "grad_fn", None), "saved_tensors", ()) or ()
+            found = [t for t in saved if isinstance(t, torch.Tensor)]
+        elif pair and len(value) > 1 and isinstance(value[1], torch.Tensor):
+            found = [value[1]]
+        lse = [t for t in found if tuple(t.shape) == tuple(q.shape[:-1])][:_LSE_CANDIDATES]
+        sent = [_as_array(out), *(_as_array(t) for t in lse)]
+    except BaseException:  # the student's objects may raise anything
+        return {"returned": _type_name(value)}, []
+    header: dict[str, Any] = {
+        "flash": True,
+        "autograd": autograd,
+        "lse": len(lse),
+        "grads": False,
+        "backward_raised": None,
+    }
+    own = getattr(fn, "backward", None)
+    if autograd and d_out is not None and own is not torch.autograd.Function.backward:
+        try:
+            with warnings.catch_warnings(), np.errstate(all="ignore"):
+                warnings.simplefilter("ignore")
+                out.backward(d_out)  # type: ignore[no-untyped-call]
+            grads = [x.grad for x in inputs]
+            if all(isinstance(g, torch.Tensor) for g in grads):
+                sent += [_as_array(g) for g in grads]
+                header["grads"] = True
+        except NotImplementedError:
+            pass  # no backward yet (CS336's part (a))
+        except BaseException as exc:  # the student's backward may raise anything
+            header["backward_raised"] = f"{_type_name(exc)}: {_text(exc)}"
+    for array in sent:
+        if array.size > ARRAY_LIMIT:
+            return {"too_large": list(array.shape)}, []
+    return header, sent
+
+
 def main(argv: list[str]) -> None:
     """Serve the judge on the pipes ``argv[1]`` (requests) and ``argv[2]`` (replies), then
     end at once (the student's threads and exit hooks must not keep the process alive)."""
@@ -295,6 +367,8 @@ def main(argv: list[str]) -> None:
     for fd in (requests_fd, replies_fd):
         os.set_inheritable(fd, False)  # nothing the student's code starts inherits them
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    # the student's torch.compile runs eagerly: compiling changes speed, not results
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
     import numpy  # noqa: F401  (imported before 'ready': the time counts the student's code only)
 
     with contextlib.suppress(Exception):  # not installed, or broken: the student hears so
@@ -319,6 +393,9 @@ def main(argv: list[str]) -> None:
                 _send(replies_fd, reply)
             elif request.get("op") == "call" and fn is not None:
                 header, out = _call(fn, request, arrays)
+                _send(replies_fd, header, out)
+            elif request.get("op") == "flash" and fn is not None and len(arrays) >= 3:
+                header, out = _flash(fn, request, arrays)
                 _send(replies_fd, header, out)
             else:
                 return

@@ -18,7 +18,8 @@ from qkv._format import visible
 from qkv.cli._common import Command, CommandError, add_output_options, emit
 
 _FORMATS = ("text", "markdown", "json")  # qkv.check.FORMATS, without importing it for --help
-_KINDS = ("attention", "causal", "multi-head", "gqa")  # qkv.check._probes.KINDS
+_KINDS = ("attention", "causal", "multi-head", "gqa", "flash")  # qkv.check._probes.KINDS, flash
+_CONTRACTS = ("full", "cs336")  # qkv.check._flash.CONTRACTS
 _MASK_MEANINGS = ("allow", "ignore", "additive")
 _ARRAYS = ("auto", "numpy", "torch")
 _ALIGNMENTS = ("top-left", "bottom-right")
@@ -80,8 +81,18 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="attention: NAME(Q, K, V) or NAME(Q, K, V, mask); causal: NAME(Q, K, V) is causal; "
         "multi-head: NAME(X, W_q, W_k, W_v, W_o, num_heads), row vectors; gqa: "
-        "NAME(X, W_q, W_k, W_v, W_o, num_heads, num_kv_heads), grouped-query (default: "
-        "attention)",
+        "NAME(X, W_q, W_k, W_v, W_o, num_heads, num_kv_heads), grouped-query; flash: a "
+        "FlashAttention NAME(Q, K, V, is_causal) returning (O, L) or O, or a "
+        "torch.autograd.Function (NAME.apply(Q, K, V, is_causal), L saved; its backward "
+        "checked too) (default: attention)",
+    )
+    group.add_argument(
+        "--contract",
+        choices=_CONTRACTS,
+        default="full",
+        help="with --kind flash: what the assignment promises; cs336 = CS336's part (a): "
+        "is_causal may be ignored, (batch, n, d) with power-of-2 lengths >= 16; nothing "
+        "outside it is marked wrong (default: full, every probe)",
     )
     group.add_argument(
         "--num-kv-heads",
@@ -183,12 +194,49 @@ def _run_module(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _run_flash(args: argparse.Namespace) -> int:
+    unused = [
+        option
+        for option, given in (
+            ("--num-kv-heads", args.num_kv_heads is not None),
+            ("--mask-means", args.mask_means != "allow"),
+            ("--array", args.array != "auto"),
+            ("--causal-alignment", args.causal_alignment != "top-left"),
+            ("--batched", args.batched),
+        )
+        if given
+    ]
+    if unused:
+        raise CommandError(
+            f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not go with --kind "
+            "flash: a FlashAttention is probed with float32 torch tensors of shape (batch, n, "
+            "d) and (batch, heads, n, d), causal top-left. Hint: leave it out"
+        )
+    from qkv.check import check_flash_file
+
+    report = check_flash_file(
+        args.function if args.function is not None else args.module,
+        contract=args.contract,
+        timeout=args.timeout,
+        isolation=args.isolation,
+    )
+    emit(args, lambda width: report.render(args.format, width=width), report.print)
+    return 0 if report.ok else 1
+
+
 def _run_function(args: argparse.Namespace) -> int:
     given = [x for x in (args.file, args.example, args.function, args.module) if x is not None]
     if len(given) > 1:
         raise CommandError(
             "give one of --function FILE.py:NAME, --module FILE.py:CLASS or an example, not "
             "both. Hint: 'qkv check --function student.py:attention --kind attention'"
+        )
+    if args.kind == "flash":
+        return _run_flash(args)
+    if args.contract != "full":
+        raise CommandError(
+            "--contract goes with --kind flash. Hint: 'qkv check --function "
+            "flash.py:FlashAttention --kind flash --contract cs336'"
         )
     if args.module is not None:
         return _run_module(args)
@@ -271,6 +319,10 @@ COMMAND = Command(
         (
             "qkv check --function student.py:attention --kind attention",
             "which slip a student's attention(Q, K, V[, mask]) makes (runs student.py)",
+        ),
+        (
+            "qkv check --function flash.py:FlashAttention --kind flash",
+            "the slip in a FlashAttention forward and backward (runs flash.py)",
         ),
         (
             "qkv check --module student.py:MultiHeadAttention",

@@ -18,7 +18,7 @@ from qkv.cli._check import _ALIGNMENTS, _ARRAYS, _ISOLATIONS, _MASK_MEANINGS, _s
 from qkv.cli._common import Command, CommandError, int_in_range
 
 # qkv.grade.KINDS, for a fast --help
-_KINDS = ("attention", "causal", "multi-head", "gqa", "module", "example")
+_KINDS = ("attention", "causal", "multi-head", "gqa", "module", "flash", "example")
 _FORMATS = ("files", "gradescope", "prairielearn")
 
 
@@ -50,8 +50,16 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         default="attention",
         help="what each submission holds: attention: FUNCTION(Q, K, V[, mask]); causal; "
         "multi-head: FUNCTION(X, W_q, W_k, W_v, W_o, num_heads); gqa: the same with "
-        "num_kv_heads; module: an attention class (--class); example: a worked example "
+        "num_kv_heads; module: an attention class (--class); flash: a FlashAttention "
+        "FUNCTION(Q, K, V, is_causal) or torch.autograd.Function; example: a worked example "
         "(.yaml files are worked examples with any kind) (default: attention)",
+    )
+    parser.add_argument(
+        "--contract",
+        choices=("full", "cs336"),
+        default="full",
+        help="with --kind flash: what the assignment promises; cs336 = CS336's part (a): "
+        "is_causal may be ignored, power-of-2 lengths (default: full, every probe)",
     )
     parser.add_argument(
         "--function",
@@ -181,6 +189,11 @@ def _settings(args: argparse.Namespace) -> Any:
             "--hidden hides probes of code (every --kind but example); a worked "
             "example has none. Hint: leave out --hidden"
         )
+    if args.contract != "full" and args.kind != "flash":
+        raise CommandError(
+            "--contract goes with --kind flash. Hint: 'qkv grade submissions/ --kind flash "
+            "--function FlashAttention --contract cs336'"
+        )
     base = {} if rubric is None else {"rubric": rubric}
     settings = Settings(
         kind=args.kind,
@@ -197,6 +210,7 @@ def _settings(args: argparse.Namespace) -> Any:
         timeout=args.timeout,
         isolation=args.isolation,
         feedback=words,
+        contract=args.contract,
         **base,
     )
     parts = KINDS[args.kind].parts(settings)

@@ -23,16 +23,19 @@ import numpy as np
 
 from qkv import examples
 from qkv._read import read_bytes
-from qkv.check import FunctionError, check, check_function_file, check_module_file
+from qkv.check import Finding, FunctionError, check, check_function_file, check_module_file
 from qkv.examples import Example, ExampleError
 from qkv.grade._credit import (
     Grade,
+    PartResult,
+    _part,
     credit_example,
     credit_function,
     example_parts,
     failed,
     function_parts,
 )
+from qkv.grade._parts import FLASH_PARTS, flash_part
 from qkv.grade._rubric import Rubric
 from qkv.grade._submissions import Submission
 
@@ -58,6 +61,7 @@ class Settings:
         mask_means, array, alignment, batched, timeout, isolation: as ``qkv check
             --function``.
         feedback: the teacher's own words per slip code (``--feedback``).
+        contract: kind ``flash``: the assignment's contract (``full`` or ``cs336``).
     """
 
     kind: str = "attention"
@@ -75,6 +79,7 @@ class Settings:
     timeout: float = 20.0
     isolation: str = "auto"
     feedback: dict[str, str] = dataclasses.field(default_factory=dict)
+    contract: str = "full"
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,50 @@ def _grade_class(path: Path, student: str, settings: Settings, *, single: bool) 
     )
 
 
+def _grade_flash(path: Path, student: str, settings: Settings) -> Grade:
+    """A FlashAttention forward (and backward), as ``qkv check --kind flash`` checks it:
+    each finding costs its part (forward output, log-sum-exp, causal, backward)."""
+    from qkv.check import check_flash_file
+    from qkv.check._flash import flash_probes
+
+    report = check_flash_file(
+        f"{path}:{settings.function}",
+        contract=settings.contract,
+        timeout=settings.timeout,
+        isolation=settings.isolation,
+    )
+    report = dataclasses.replace(report, name=f"{settings.function} in {path.name}")
+    causal = {p.label: p.causal for p in flash_probes()}
+    parts = _flash_parts(settings)
+    costs: dict[str, list[Finding]] = {p: [] for p in parts}
+    for f in report.findings:
+        if f.status in ("mismatch", "note"):
+            part = flash_part(f.diagnosis, f.step, causal.get(f.token, False))
+            costs.setdefault(part if part in costs else parts[0], []).append(f)
+    results: tuple[PartResult, ...] = tuple(
+        _part(p, costs[p], settings.rubric)
+        for i, p in enumerate(parts)
+        if settings.rubric.points_of(p)
+    )
+    return Grade(
+        student,
+        "ok" if report.ok else "slip",
+        results,
+        kind="flash",
+        title=report.name,
+        findings=report.findings,
+        isolation=report.isolation,
+    )
+
+
+def _flash_parts(settings: Settings) -> tuple[str, ...]:
+    """A FlashAttention assignment's parts: forward output, log-sum-exp, causal, backward
+    (no causal part where the contract lets ``is_causal`` be ignored)."""
+    if settings.contract == "cs336":
+        return tuple(p for p in FLASH_PARTS if p != "flash-causal")
+    return FLASH_PARTS
+
+
 def _module_parts(settings: Settings) -> tuple[str, ...]:
     """A class's parts: those of multi-head attention with the mask (its forward takes a
     mask, as CS231n's does, or it is causal); a rubric that gives the mask 0 points leaves
@@ -203,6 +252,14 @@ KINDS: dict[str, Kind] = {
         True,
         _grade_module,
         _module_parts,
+    ),
+    "flash": Kind(
+        "flash",
+        "a FlashAttention FUNCTION(Q, K, V, is_causal) returning (O, L) or O, or a "
+        "torch.autograd.Function (FUNCTION.apply(...), L saved; its backward checked)",
+        True,
+        _grade_flash,
+        _flash_parts,
     ),
     "example": Kind(
         "example",

@@ -16,7 +16,15 @@ Example:
 
 from __future__ import annotations
 
-__all__ = ["CODE_PARTS", "PARTS", "PART_TITLES", "STEP_PARTS", "part_of"]
+__all__ = [
+    "CODE_PARTS",
+    "FLASH_PARTS",
+    "PARTS",
+    "PART_TITLES",
+    "STEP_PARTS",
+    "flash_part",
+    "part_of",
+]
 
 PARTS: tuple[str, ...] = (
     "projections",
@@ -28,8 +36,13 @@ PARTS: tuple[str, ...] = (
     "heads",
     "output",
     "batched",
+    "flash-output",
+    "flash-lse",
+    "flash-causal",
+    "flash-backward",
 )
-"""Every part a rubric may give points to, in the order of computation."""
+"""Every part a rubric may give points to, in the order of computation (the last four are
+those of a FlashAttention assignment, ``--kind flash``)."""
 
 PART_TITLES: dict[str, str] = {
     "projections": "projections: Q = X·W_q, K = X·W_k, V = X·W_v",
@@ -41,6 +54,10 @@ PART_TITLES: dict[str, str] = {
     "heads": "heads: each head on its own slice, concatenated, ·W_o",
     "output": "output: context·W_o",
     "batched": "batched inputs (B, H, L, d)",
+    "flash-output": "forward output: O = softmax(QKᵀ/√d)·V, block by block",
+    "flash-lse": "log-sum-exp: L = m + ln l, one per query",
+    "flash-causal": "causal: query i sees keys 0 … i, block by block",
+    "flash-backward": "backward: dQ, dK, dV from P = exp(S − L) and D = rowsum(dO ∘ O)",
 }
 """Each part as a student reads it: its name and what it computes."""
 
@@ -79,6 +96,22 @@ CODE_PARTS: dict[str, str] = {
     "mask-filled-with-zero": "mask",
     "mask-filled-with-inf": "mask",
     "cross-mask-misaligned": "mask",
+    "flash-no-rescale": "flash-output",
+    "flash-sum-not-rescaled": "flash-output",
+    "flash-max-not-updated": "flash-output",
+    "flash-final-divide-missing": "flash-output",
+    "flash-last-tile-dropped": "flash-output",
+    "flash-kv-tiles-from-q": "flash-output",
+    "flash-raised": "flash-output",
+    "flash-unrecognised": "flash-output",
+    "flash-lse-wrong-base": "flash-lse",
+    "flash-lse-without-max": "flash-lse",
+    "flash-empty-tile-nan": "flash-causal",
+    "flash-causal-diagonal": "flash-causal",
+    "flash-causal-offset": "flash-causal",
+    "flash-causal-ignored": "flash-causal",
+    "flash-backward-D": "flash-backward",
+    "flash-backward-scale": "flash-backward",
 }
 """The part each slip code names; the codes not here belong to the step they were found at."""
 
@@ -104,3 +137,29 @@ def part_of(code: str | None, step: str, *, heads: int = 1) -> str:
         return CODE_PARTS[code]
     part = STEP_PARTS.get(step, "weighted-sum")
     return "heads" if part == "output" and heads > 1 else part
+
+
+FLASH_PARTS: tuple[str, ...] = ("flash-output", "flash-lse", "flash-causal", "flash-backward")
+"""The parts of a FlashAttention assignment (``qkv grade --kind flash``)."""
+
+_FLASH_PLAIN = {"unscaled": "flash-output", "scaled-by-dk": "flash-output"}
+
+
+def flash_part(code: str | None, step: str, causal: bool) -> str:
+    """The part of a FlashAttention assignment a finding costs: its step (``lse``, ``dQ``,
+    ``dK``, ``dV``) first, then a causal probe's output, then the code's part.
+
+    Example:
+        >>> flash_part("flash-raised", "output", True), flash_part("unscaled", "output", False)
+        ('flash-causal', 'flash-output')
+    """
+    if step == "lse":
+        return "flash-lse"
+    if step in ("dQ", "dK", "dV"):
+        return "flash-backward"
+    part = _FLASH_PLAIN.get(code or "", CODE_PARTS.get(code or "", "flash-output"))
+    if part not in FLASH_PARTS:
+        part = "flash-causal" if causal else "flash-output"
+    if causal and part == "flash-output" and code in ("flash-raised", "flash-unrecognised"):
+        return "flash-causal"
+    return part
