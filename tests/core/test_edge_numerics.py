@@ -226,23 +226,28 @@ def test_nan_in_every_key_gives_nan(backend: str) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_error_of_each_backend(dtype: torch.dtype) -> None:
-    """reference and tiled compute in float32: their result is the float64 result rounded
-    (at most half a unit in the last place, plus float32 rounding); sdpa hands the inputs to
-    torch's kernel as they are, within 4 units of the half type."""
+    """A backend that computes half inputs in a wider dtype (``half_in``: the reference
+    and tiled, in float32) gives the float64 result rounded (at most half a unit in the
+    last place, plus float32 rounding); one that hands them to its kernel as they are
+    (sdpa) is within 4 units of the half type. The table is the registry's."""
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 2, 64, 16, generator=gen).to(dtype) for _ in range(3))
     exact = _attend(q.double(), k.double(), v.double(), "reference")
     eps = torch.finfo(dtype).eps
     size = float(exact.abs().max())
-    for backend, bound in (("reference", eps / 2), ("tiled", eps / 2), ("sdpa", 4 * eps)):
+    registry = qkv.attention.BACKENDS
+    for backend in backend_names():
+        wider = registry[backend].half_in
+        bound = eps / 2 if wider is not None else 4 * eps
         out = _attend(q, k, v, backend)
         assert out.dtype == dtype
         error = float((out.double() - exact).abs().max())
         assert error <= bound * size + 1e-5, (backend, error / size / eps)
-    notes = " ".join(qkv.explain_dispatch(q, k, v, backend="sdpa").notes)
-    assert f"given to torch's fused kernel as {str(dtype)[6:]}" in notes
-    notes = " ".join(qkv.explain_dispatch(q, k, v, backend="tiled").notes)
-    assert "computed in float32" in notes
+        notes = " ".join(qkv.explain_dispatch(q, k, v, backend=backend).notes)
+        if wider is not None:
+            assert f"computed in {wider} and the result rounded to {str(dtype)[6:]}" in notes
+        else:
+            assert f"{str(dtype)[6:]}: given to " in notes, (backend, notes)
 
 
 # -- item 7: masked NaN never reaches a gradient -------------------------------------------

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qkv import masks, positional
+from tests.support.mask_cases import case_of
 
 
 def loop(lq: int, lk: int, allowed: Any) -> np.ndarray:
@@ -89,31 +90,12 @@ def test_bad_rules_say_what_is_wrong(make: Any, match: str) -> None:
 
 
 def _rules(b: int, lq: int, lk: int) -> st.SearchStrategy[masks.Mask]:
-    alignment = st.sampled_from(["top-left", "bottom-right"])
+    """Every rule of the registry (tests/support/mask_cases.py), and their combinations."""
     base = st.one_of(
-        st.builds(masks.causal, alignment),
-        st.builds(
-            lambda before, after, a: masks.sliding_window(before, after, alignment=a),
-            st.integers(0, 5),
-            st.integers(0, 5),
-            alignment,
-        ),
-        st.builds(masks.key_padding, st.lists(st.integers(0, lk), min_size=b, max_size=b)),
-        st.builds(
-            lambda q_ids, kv_ids: masks.document(sorted(q_ids), sorted(kv_ids)),
-            st.lists(st.integers(0, 3), min_size=lq, max_size=lq),
-            st.lists(st.integers(0, 3), min_size=lk, max_size=lk),
-        ),
-        st.builds(lambda n, a: masks.prefix_lm(n, alignment=a), st.integers(0, lk), alignment),
-        st.just(masks.full()),
-        st.just(masks.from_function(lambda b, h, q, kv: (q * kv + h) % 2 == 0, "parity")),
-        st.just(
-            masks.from_function(
-                lambda b, h, q, kv: kv <= q,
-                "hinted causal",
-                blocks=lambda b, h, q0, q1, k0, k1: (k0 <= q1 - 1, k1 - 1 <= q0),
-            )
-        ),
+        *(
+            st.builds(lambda rng, case=case: case(rng, b, lq, lk), st.randoms())
+            for case in (case_of(name) for name in masks.RULES)
+        )
     )
     return st.recursive(
         base,

@@ -19,6 +19,7 @@ import transformers as tf
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from qkv.hf import attention_modules
+from tests.support.edit_cases import HeadView, edited
 
 ORACLE = "qkv_test_oracle"
 _SEEN: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -73,8 +74,8 @@ AttentionMaskInterface.register(ORACLE, _oracle_mask)
 
 @dataclass
 class OracleEdit:
-    """One edit as the oracle applies it. ``kind``: zero, mean, scale, context (patch),
-    weights (patch the pattern), row (set one row)."""
+    """One edit as the oracle applies it. ``kind``: a variant of
+    ``tests/support/edit_cases.py`` (zero, mean, scale, context, weights, row, ...)."""
 
     kind: str
     layer: int
@@ -130,22 +131,9 @@ def _hook(module: Any, edit: OracleEdit) -> Any:
         part = slice(edit.head * d, (edit.head + 1) * d)
         v = value[:, edit.head // (heads // kv_heads)]  # (B, Lk, D)
         q_len, kv_len = concat.shape[1], v.shape[1]
-        if edit.kind == "zero":
-            concat[..., part] = 0
-        elif edit.kind == "mean":
-            concat[..., part] = edit.value
-        elif edit.kind == "scale":
-            concat[..., part] = concat[..., part] * edit.value
-        elif edit.kind == "context":
-            concat[..., part] = edit.value[:, :q_len]
-        elif edit.kind == "weights":
-            concat[..., part] = edit.value[:, :q_len, :kv_len] @ v
-        elif edit.kind == "row":
-            first = kv_len - q_len if edit.extra.get("queries_last") else 0
-            end = first + q_len
-            position = edit.query if edit.query >= 0 else end + edit.query
-            if first <= position < end:
-                concat[:, position - first, part] = torch.einsum("k,bkd->bd", edit.value, v)
+        first = kv_len - q_len if edit.extra.get("queries_last") else 0
+        view = HeadView(concat[..., part], v, first)
+        concat[..., part] = edited(edit.kind, view, edit.value, edit.query)
         return (concat, *args[1:])
 
     return hook

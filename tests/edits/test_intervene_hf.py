@@ -14,13 +14,14 @@ import pytest
 import torch
 
 import qkv
-from qkv.edits import ablate, patch, record, scale, set_weights
+from qkv.edits import Recording, ablate, patch, record, scale, set_weights
 from qkv.hf import attention_modules
 from tests.edits.oracle import OracleEdit, oracle, record_eager
 from tests.hf.test_hf_tracing import PADDING, _configs, _family, _inputs, _real
+from tests.support.edit_cases import CASES
 
 FAMILIES = list(_configs())
-KINDS = ("zero", "mean", "scale", "context", "weights", "row")
+KINDS = tuple(CASES)  # every case of every kind of edit in the registry
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
 SOURCE_IDS = torch.tensor([[7, 3, 9, 12, 5, 30], [2, 40, 41, 42, 6, 8]])
 
@@ -62,33 +63,52 @@ def _hidden(output: Any) -> list[torch.Tensor]:
     ]
 
 
+class _Run:
+    """One head of one layer of a family's model, for a case of
+    ``tests/support/edit_cases.py``: qkv's recordings and the eager oracle's."""
+
+    def __init__(self, model: Any, layer: int, head: int, inputs: Any, source: Any) -> None:
+        self.model, self.layer, self.head = model, layer, head
+        self.inputs, self.source = inputs, source
+        self.dtype = model.dtype
+        self.generator = torch.Generator().manual_seed(3)
+
+    @property
+    def keys(self) -> int:
+        """Lk of the edited call: a row of its keys."""
+        shapes = record(self.model, self.inputs, layers=self.layer, heads=self.head, what="weights")
+        return int(shapes.weights[self.layer][self.head].shape[-1])
+
+    @property
+    def key_mask(self) -> torch.Tensor | None:
+        """No weight on padding keys, whose values differ."""
+        return PADDING["left"].all(0) if self.keys == PADDING["left"].shape[1] else None
+
+    @property
+    def width(self) -> int:
+        recorded = record(self.model, self.inputs, layers=self.layer, heads=self.head)
+        return int(recorded.contexts[self.layer][self.head].shape[-1])
+
+    def record(self, what: str) -> Recording:
+        return record(self.model, self.source, layers=self.layer, heads=self.head, what=what)
+
+    def eager(self, what: str) -> torch.Tensor:
+        context, weights = record_eager(
+            self.model, lambda: self.model(**self.source), self.layer, self.head
+        )
+        found: torch.Tensor = context if what == "context" else weights
+        return found
+
+
 def _edits(
     model: Any, kind: str, layer: int, head: int, inputs: Any, source_inputs: Any
 ) -> tuple[Any, OracleEdit]:
-    """The qkv edit and the oracle's edit of one kind."""
-    generator = torch.Generator().manual_seed(3)
-    dtype = model.dtype
-    if kind == "zero":
-        return ablate(layer, head), OracleEdit("zero", layer, head)
-    if kind == "scale":
-        return scale(layer, head, -1.5), OracleEdit("scale", layer, head, -1.5)
-    if kind in ("context", "weights"):
-        source = record(model, source_inputs, layers=layer, heads=head, what=kind)
-        context, weights = record_eager(model, lambda: model(**source_inputs), layer, head)
-        theirs = context if kind == "context" else weights
-        return patch(layer, head, source, what=kind), OracleEdit(kind, layer, head, theirs)
-    if kind == "mean":  # a mean of the head's width
-        width = record(model, inputs, layers=layer, heads=head).contexts[layer][head].shape[-1]
-        mean = torch.randn(int(width), generator=generator).to(dtype)
-        return ablate(layer, head, how="mean", mean=mean), OracleEdit("mean", layer, head, mean)
-    shapes = record(model, inputs, layers=layer, heads=head, what="weights")
-    keys = int(shapes.weights[layer][head].shape[-1])  # a row of this call's keys
-    row = torch.rand(keys, generator=generator).to(dtype)
-    if keys == PADDING["left"].shape[1]:  # no weight on padding keys, whose values differ
-        row = row * PADDING["left"].all(0)
+    """The qkv edit and the oracle's edit of one case."""
+    run = _Run(model, layer, head, inputs, source_inputs)
+    ours, value = CASES[kind].make(run, layer, head)
     causal = bool(getattr(attention_modules(model)[layer][1], "is_causal", False))
-    edit = OracleEdit("row", layer, head, row, query=-2, extra={"queries_last": causal})
-    return set_weights(layer, head, -2, row), edit
+    query, extra = CASES[kind].query, {"queries_last": causal}
+    return ours, OracleEdit(kind, layer, head, value, query=query, extra=extra)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])

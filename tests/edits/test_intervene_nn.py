@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import qkv
-from qkv.edits import Edit, ablate, head_means, patch, record, scale, set_weights
+from qkv.edits import Recording, ablate, head_means, record, scale, set_weights
 from qkv.nn import MultiHeadAttention
+from tests.support.edit_cases import CASES, HeadView, edited
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
 IDS = torch.tensor([[1, 5, 9, 2, 7, 3, 8], [4, 4, 6, 1, 0, 2, 5]])
@@ -50,6 +51,7 @@ def _attn(model: Tiny, layer: int) -> MultiHeadAttention:
 
 @contextmanager
 def oracle(model: Tiny, layer: int, head: int, kind: str, value: Any = None) -> Iterator[None]:
+    """The model with one case of ``tests/support/edit_cases.py`` applied by hooks."""
     attn = _attn(model, layer)
     seen: dict[str, torch.Tensor] = {}
 
@@ -61,19 +63,9 @@ def oracle(model: Tiny, layer: int, head: int, kind: str, value: Any = None) -> 
         d = attn.head_dim
         part = slice(head * d, (head + 1) * d)
         v = seen["V"][:, :, head // (attn.num_heads // attn.num_kv_heads)]  # (B, L, D)
-        if kind == "zero":
-            concat[..., part] = 0
-        elif kind == "mean":
-            concat[..., part] = value
-        elif kind == "scale":
-            concat[..., part] = concat[..., part] * value
-        elif kind == "context":
-            concat[..., part] = value
-        elif kind == "weights":
-            concat[..., part] = value @ v
-        else:  # one row: (position, weights)
-            position, row = value
-            concat[:, position, part] = torch.einsum("k,bkd->bd", row, v)
+        concat[..., part] = edited(
+            kind, HeadView(concat[..., part], v, 0), value, CASES[kind].query
+        )
         return (concat,)
 
     handles = [
@@ -103,27 +95,30 @@ def _source(model: Tiny, layer: int, head: int) -> tuple[torch.Tensor, torch.Ten
     return seen["context"], torch.from_numpy(t["weights"].value[:, 0]).to(seen["context"])
 
 
+class _Run:
+    """One head of one layer of Tiny, for a case of ``tests/support/edit_cases.py``."""
+
+    def __init__(self, model: Tiny, layer: int, head: int) -> None:
+        self.model, self.layer, self.head = model, layer, head
+        self.dtype = next(model.parameters()).dtype
+        self.generator = torch.Generator().manual_seed(3)
+        self.width, self.keys, self.key_mask = _attn(model, layer).head_dim, IDS.shape[1], None
+
+    def record(self, what: str) -> Recording:
+        return record(self.model, OTHER, what=what)
+
+    def eager(self, what: str) -> torch.Tensor:
+        context, weights = _source(self.model, self.layer, self.head)
+        return context if what == "context" else weights
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
-@pytest.mark.parametrize("kind", ["zero", "mean", "scale", "context", "weights", "row"])
+@pytest.mark.parametrize("kind", CASES)
 def test_every_edit_equals_the_oracle(kind: str, dtype: torch.dtype) -> None:
+    """Every case of every kind of edit in the registry (tests/support/edit_cases.py)."""
     model = Tiny().to(dtype).eval()
-    ours: Edit
-    theirs: Any
     for layer, head in ((0, 1), (1, 2)):
-        if kind == "zero":
-            ours, theirs = ablate(layer, head), None
-        elif kind == "mean":
-            theirs = torch.linspace(-1, 1, 4, dtype=dtype)
-            ours = ablate(layer, head, how="mean", mean=theirs)
-        elif kind == "scale":
-            ours, theirs = scale(layer, head, 2.5), 2.5
-        elif kind in ("context", "weights"):
-            context, weights = _source(model, layer, head)
-            ours = patch(layer, head, record(model, OTHER, what=kind), what=kind)
-            theirs = context if kind == "context" else weights
-        else:
-            row = torch.tensor([0.2, 0.0, 0.3, 0.5, 0.0, 0.0, 0.0], dtype=dtype)
-            ours, theirs = set_weights(layer, head, 3, row), (3, row)
+        ours, theirs = CASES[kind].make(_Run(model, layer, head), layer, head)
         with torch.no_grad():
             plain = model(IDS)
             with qkv.intervene(model, ours):

@@ -20,6 +20,7 @@ from qkv import masks
 from qkv.attention._backends import BackendName
 from qkv.distributed import ring_attention
 from qkv.kernels import tiled_attention
+from tests.support.backends import backend_names
 from tests.support.isolated import run_code_isolated
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -37,16 +38,16 @@ def _one_line(error: pytest.ExceptionInfo[BaseException]) -> str:
 
 # -- per-batch masks made for another batch (issue 25 §3) -------------------------------------
 
+
+def _on(backend: str) -> Callable[[Any, Any], Any]:
+    return lambda x, m: qkv.scaled_dot_product_attention(x, x, x, mask=m, backend=backend)
+
+
 ENTRIES: dict[str, Callable[[Any, Any], Any]] = {
-    "reference": lambda x, m: qkv.scaled_dot_product_attention(
-        x, x, x, mask=m, backend="reference"
-    ),
+    **{name: _on(name) for name in backend_names(compiled=True, auto=True)},
     "reference-numpy": lambda x, m: qkv.scaled_dot_product_attention(
         x.numpy(), x.numpy(), x.numpy(), mask=m
     ),
-    "sdpa": lambda x, m: qkv.scaled_dot_product_attention(x, x, x, mask=m, backend="sdpa"),
-    "tiled": lambda x, m: qkv.scaled_dot_product_attention(x, x, x, mask=m, backend="tiled"),
-    "auto": lambda x, m: qkv.scaled_dot_product_attention(x, x, x, mask=m),
     "tiled_attention": lambda x, m: tiled_attention(x, x, x, mask=m),
     "flex_attention": lambda x, m: qkv.flex_attention(x, x, x, block_mask=m),
     "ring_attention": lambda x, m: ring_attention(x, x, x, mask=m),

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from qkv import masks
 from qkv.attention import reference_attention
 from qkv.kernels import _forward, tiled_attention
+from tests.support.mask_cases import draw_rule
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -35,28 +36,8 @@ class TiledCase:
 
 
 def _rule(draw: st.DrawFn, b: int, lq: int, lk: int) -> masks.Mask:
-    alignment: Any = draw(st.sampled_from(["top-left", "bottom-right"]))
-    kind = draw(
-        st.sampled_from(["causal", "window", "padding", "document", "prefix", "full", "user"])
-    )
-    if kind == "causal":
-        rule = masks.causal(alignment)
-    elif kind == "window":
-        rule = masks.sliding_window(
-            draw(st.integers(0, 6)), draw(st.integers(0, 3)), alignment=alignment
-        )
-    elif kind == "padding":
-        rule = masks.key_padding(draw(st.lists(st.integers(0, lk), min_size=b, max_size=b)))
-    elif kind == "document":
-        q_ids = sorted(draw(st.lists(st.integers(0, 3), min_size=lq, max_size=lq)))
-        kv_ids = sorted(draw(st.lists(st.integers(0, 3), min_size=lk, max_size=lk)))
-        rule = masks.document(q_ids, kv_ids)
-    elif kind == "prefix":
-        rule = masks.prefix_lm(draw(st.integers(0, lk)), alignment=alignment)
-    elif kind == "full":
-        rule = masks.full()
-    else:
-        rule = masks.from_function(lambda b, h, q, kv: (q + kv + h) % 3 != 0, "user")
+    """A rule of the registry (tests/support/mask_cases.py), maybe combined."""
+    rule = draw_rule(draw(st.randoms()), b, lq, lk)
     combine = draw(st.sampled_from(["", "&", "|", "~"]))
     if combine == "&":
         rule = rule & masks.sliding_window(4, 4)

@@ -38,6 +38,7 @@ from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
 import qkv
 from qkv.attention._backends import BackendName
+from tests.support.backends import backend_names
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),
@@ -725,7 +726,7 @@ def test_flex_attention_stride_ordering(
     out = qkv.flex_attention(q, k, v)
     assert _stride_order(out.stride()) == want
     torch.testing.assert_close(out, expected)
-    for backend in ("reference", "sdpa", "tiled", "auto"):
+    for backend in backend_names(auto=True):
         out = qkv.scaled_dot_product_attention(q, k, v, backend=backend)
         assert _stride_order(out.stride()) == want, backend
         torch.testing.assert_close(out, expected)

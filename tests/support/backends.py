@@ -2,8 +2,10 @@
 added there is in every parametrisation below, with no list to edit.
 
 A backend that ``compiles`` (its first call of each rule, shape and dtype takes seconds) is
-left out of the many-shape tests by default; ``tests/kernels/test_registry.py`` runs every
-registered backend, compiled ones included, against the reference.
+left out of the many-shape tests by default and has a test file of its own on a few shapes
+(``flex``: ``tests/kernels/test_flex_masks.py`` and ``test_compiled_cpu.py``, against the
+reference). ``tests/core/test_registry.py`` checks that every list of backends in ``tests/``
+and ``docs/`` comes from the registry.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ documents and padding differ per batch element where the rule allows it.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 
 from qkv import masks
 from qkv.masks import Mask, ScoreMod
+from tests.support.mask_cases import drawn
 
 BATCH, HEADS, KV_HEADS = 2, 4, 2
 
@@ -25,13 +27,17 @@ def _documents(length: int) -> list[int]:
 
 
 def mask_cases(q_len: int, kv_len: int) -> dict[str, Mask]:
-    """Named masks for (B = 2, H = 4, Lq, Lk); with Lq ≠ Lk only those that allow it."""
+    """Named masks for (B = 2, H = 4, Lq, Lk); with Lq ≠ Lk only those that allow it: one
+    drawn instance of every rule of the registry (``rule <name>``, from
+    tests/support/mask_cases.py), then cases chosen for FlexAttention's blocks of 64."""
     square = q_len == kv_len
 
     def stripes(b: Any, h: Any, q: Any, kv: Any) -> Any:
         return (kv // 64) % 2 == 0
 
-    cases = {
+    rng = random.Random(f"{q_len} {kv_len}")
+    cases = {f"rule {name}": rule for name, rule in drawn(rng, BATCH, q_len, kv_len).items()}
+    cases |= {
         "causal": masks.causal(),
         "causal-bottom-right": masks.causal("bottom-right"),
         "window": masks.sliding_window(70),

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from qkv._array import Array, library
@@ -38,17 +38,22 @@ __all__ = [
     "Backend",
     "BackendName",
     "Call",
+    "Notes",
     "count_auto_call",
     "cpu_run_key",
     "four",
     "four_mask",
+    "half_name",
+    "name_width",
     "needs_grad",
     "on_cuda",
+    "planned",
     "refusal_error",
     "sdpa_checked",
     "sdpa_output",
     "sdpa_static_refusal",
     "sdpa_trusted",
+    "stepwise",
     "structured",
     "three",
     "tiled_refusal",
@@ -81,8 +86,18 @@ _REFERENCE_COPIES = 5  # scores, scaled, masked, weights, and softmax's temporar
 
 
 @dataclass(frozen=True)
+class Notes:
+    """What a dispatch report adds when a backend runs a call: its lines, and on CUDA the
+    kernel torch picks for it (``Dispatch.sdpa_kernel``)."""
+
+    lines: tuple[str, ...] = ()
+    kernel: str | None = None
+
+
+@dataclass(frozen=True)
 class Backend:
-    """A backend: its name, a one-line description, what it refuses and how it runs.
+    """A backend: its name, a one-line description, what it refuses, how it runs, and the
+    facts that dispatch, its reports, the tests and the docs read (never its name).
 
     ``refusal(call, auto)`` returns None when the backend can run the call, else the reason
     in a few words; ``auto`` is True when the choice is the dispatcher's (a backend may
@@ -92,8 +107,27 @@ class Backend:
     Auto's part: ``fast`` backends are tried in the registry's order (the reference is not
     one: auto takes it for NumPy, weights and traces); one whose ``first(call)`` holds is
     tried before the others, and ``why(call)`` is auto's reason when it runs.
-    ``compiles``: its first call of each (rule, shape, dtype) compiles (seconds), so the
-    tests run it on a few shapes rather than on every drawn case.
+
+    Its facts:
+
+    - ``records_steps``: it forms every step of the call through the call's recorder (the
+      weights, a trace): auto's choice for NumPy inputs, weights and traces, and the one
+      that records the selected rows of a call another backend ran;
+    - ``checks_output(call)``: its output of this call is looked at for a NaN or ±inf of a
+      masked-out key, and the call redone on the tiled kernel if one got through;
+    - ``compiles``: its first call of each (rule, shape, dtype) compiles (seconds), so the
+      tests run it on a few shapes rather than on every drawn case;
+    - ``half_in``: the dtype it computes float16 and bfloat16 inputs in, the result rounded
+      back (within half a unit of the half type); None: it hands them to its kernel as they
+      are (within a few units), and ``notes`` say how;
+    - ``plans``: a plain torch call it runs is kept as a plan (``_plans.py``) and the next
+      call of that signature goes straight to it;
+    - ``runs``: the libraries, devices and dtypes it takes, in words (the kernels page's
+      table);
+    - ``notes(call)``: what a report adds when it runs the call (:class:`Notes`);
+    - ``in_graph(call, auto)``: its form inside a ``torch.compile`` graph (reading no
+      value): the result, or why it cannot run the call there; None: it runs outside the
+      graph (``_compiled.py``).
     """
 
     name: str
@@ -103,7 +137,29 @@ class Backend:
     why: Callable[[Call], str] = lambda call: "runs this call"
     first: Callable[[Call], bool] = lambda call: False
     fast: bool = True
+    records_steps: bool = False
+    checks_output: Callable[[Call], bool] = lambda call: False
     compiles: bool = False
+    half_in: str | None = "float32"
+    plans: bool = False
+    runs: str = "PyTorch"
+    notes: Callable[[Call], Notes] = lambda call: Notes()
+    in_graph: Callable[[Call, bool], tuple[Array, Array | None] | str] | None = None
+
+
+def stepwise() -> str:
+    """The name of the backend that forms every step (the first that ``records_steps``)."""
+    return next(name for name, b in BACKENDS.items() if b.records_steps)
+
+
+def planned() -> str:
+    """The name of the backend whose plain calls are kept as plans (``plans``)."""
+    return next(name for name, b in BACKENDS.items() if b.plans)
+
+
+def name_width() -> int:
+    """The width of the name column of a dispatch report: the registry's longest name."""
+    return max(len(name) for name in BACKENDS)
 
 
 # -- the backends --------------------------------------------------------------------------
@@ -289,6 +345,61 @@ def _run_sdpa(call: Call) -> tuple[Array, Array | None]:
     if not clean and sdpa_checked(call) and not sdpa_trusted(out, call, grad=False):
         return _run_tiled(call)
     return three(out, call.lead), None
+
+
+def _sdpa_in_graph(call: Call, auto: bool) -> tuple[Array, Array | None] | str:
+    """sdpa in a compiled graph: torch's kernel; with a mask or a bias its output is the
+    *candidate* of the tiled kernel's operator, kept when the eager sdpa backend would keep
+    it, else redone (with a gradient, SDPA sees NaN and ±inf replaced by 0, so that its
+    backward stays finite on a redone call)."""
+    why = sdpa_static_refusal(call, auto)
+    if why is not None:
+        return why
+    if not sdpa_checked(call):
+        return three(sdpa_output(call), call.lead), None
+    from qkv.kernels._tiled_ops import finite
+
+    source = call
+    if needs_grad(call):  # torch's backward must not see a NaN of a redone call
+        source = replace(
+            call, query=finite(call.query), key=finite(call.key), value=finite(call.value)
+        )
+    candidate = sdpa_output(source)  # (B, H, Lq, Dv)
+    return three(tiled_operator(call, candidate=candidate), call.lead), None
+
+
+def _tiled_in_graph(call: Call, auto: bool) -> tuple[Array, Array | None] | str:
+    """The tiled kernel in a compiled graph: its custom operator (an eager island)."""
+    why = tiled_refusal(call)
+    if why is not None:
+        return why
+    return three(tiled_operator(call, candidate=None), call.lead), None
+
+
+def tiled_operator(call: Call, *, candidate: Any) -> Any:
+    """The call on the tiled kernel's operator (keeping sdpa's ``candidate`` when it can):
+    the context (B, H, Lq, Dv)."""
+    import torch
+
+    from qkv.kernels._tiled_ops import tiled_in_graph
+
+    options = call.options
+    seed = options.seed
+    return tiled_in_graph(
+        four(call.query, call.lead),
+        four(call.key, call.lead),
+        four(call.value, call.lead),
+        mask=four_mask(options.dense_mask, call),
+        bias=four_mask(options.bias, call),
+        sinks=options.sinks,
+        seed=seed if isinstance(seed, torch.Tensor) else None,
+        candidate=candidate,
+        is_causal=options.is_causal,
+        causal_alignment=options.causal_alignment,
+        scale=options.scale_for(int(call.query.shape[-1])),
+        dropout_p=options.dropout_p,
+        grad=needs_grad(call),
+    )
 
 
 def _tiled_refusal(call: Call, auto: bool) -> str | None:
@@ -648,6 +759,138 @@ def _why_tiled(call: Call) -> str:
     return "runs in O(L) memory, evaluating masks block by block"
 
 
+# -- what the reports add -----------------------------------------------------------------
+
+
+def half_name(call: Call) -> str | None:
+    """ "float16" or "bfloat16" for half-precision inputs, else None."""
+    name = str(call.query.dtype).removeprefix("torch.")
+    return name if name in ("float16", "bfloat16") else None
+
+
+def _wider() -> str:
+    """The backends that compute half inputs in a wider dtype, for a note: "backend='…' or
+    '…' compute in float32"."""
+    kept = [(n, b.half_in) for n, b in BACKENDS.items() if b.half_in is not None]
+    names = [repr(n) for n, _ in kept]
+    listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+    dtypes = sorted({str(d) for _, d in kept})
+    return f"backend={listed} compute in {' or '.join(dtypes)}"
+
+
+def _sdpa_choice(call: Call) -> Any:
+    """The kernel torch's SDPA runs for the call on CUDA (:mod:`qkv.kernels._sdpa_choice`),
+    given what qkv's sdpa adapter would pass torch."""
+    from qkv.kernels._sdpa_choice import sdpa_kernel_choice, torch_mask_stand_in
+
+    options = call.options
+    q4, k4, v4 = (four(x, call.lead) for x in (call.query, call.key, call.value))
+    attn_mask, is_causal = torch_mask_stand_in(
+        q4,
+        k4,
+        mask=four_mask(options.mask, call),
+        bias=four_mask(options.bias, call),
+        is_causal=options.is_causal,
+        alignment=options.causal_alignment,
+    )
+    return sdpa_kernel_choice(
+        q4,
+        k4,
+        v4,
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        enable_gqa=int(q4.shape[1]) != int(k4.shape[1]),
+    )
+
+
+_CHOICE_ERRORS = (RuntimeError, TypeError, AttributeError)  # an older torch's API
+
+
+def _sdpa_notes(call: Call) -> Notes:
+    notes, kernel = [], None
+    if on_cuda(call):
+        try:
+            choice = _sdpa_choice(call)
+        except _CHOICE_ERRORS as error:
+            notes.append(f"torch's SDPA kernel: not known ({type(error).__name__}: {error})")
+        else:
+            kernel = choice.kernel
+            notes.append(str(choice))
+    half = half_name(call)
+    if half is not None:
+        notes.append(
+            f"{half}: given to torch's fused kernel as {half} (it accumulates in float32 but "
+            f"rounds the weights to {half}); {_wider()}"
+        )
+    return Notes(tuple(notes), kernel)
+
+
+def _flex_notes(call: Call) -> Notes:
+    """What a flex run does besides the kernel: the block mask, compilation, half inputs."""
+    from qkv.kernels._flex_masks import block_size_for
+
+    options = call.options
+    block = block_size_for(call.query.device)
+    notes = []
+    rule = options.rule
+    if rule is not None:
+        how = (
+            "from the rule's block structure"
+            if rule.knows_blocks
+            else "every block partial (the rule has no block hint)"
+        )
+        notes.append(
+            f"flex: block mask of {block} × {block} blocks {how}, cached per "
+            "(rule, B, H, Lq, Lk, device)"
+        )
+    if on_cuda(call):
+        notes.append("flex: torch.compile compiles on the first call of each shape and rule")
+    else:
+        notes.extend(_cpu_compile_notes(call))
+    if options.sinks is not None:
+        notes.append("flex: sinks applied from its log-sum-exp, out · σ(lse − sink)")
+    half = half_name(call)
+    if half is not None:
+        notes.append(
+            f"{half}: given to compiled FlexAttention as {half} (scores and softmax in "
+            f"float32, the weights rounded to {half} for the product with V)"
+        )
+    return Notes(tuple(notes))
+
+
+def _cpu_compile_notes(call: Call) -> list[str]:
+    """What the compiled CPU path does for this call, and its compile time (apart)."""
+    from qkv.kernels._compiled_forward import COMPILED
+
+    notes = [
+        "flex on CPU: torch's compiled forward; a gradient or sinks come from the tiled "
+        "kernel's backward, from the forward's log-sum-exp (read through one more key)"
+    ]
+    seconds = COMPILED.seconds.get(cpu_run_key(call))
+    if seconds is None:
+        notes.append(
+            "flex: not compiled yet for this rule, shapes and dtype: the first call compiles "
+            "(seconds; explain_dispatch compiles nothing)"
+        )
+    else:
+        notes.append(
+            f"flex: compiled for this rule, shapes and dtype by a first call of {seconds:.1f} s"
+        )
+    verdict = COMPILED.verdict.get(cpu_run_key(call))
+    if verdict is not None:
+        flex_ms, tiled_ms = (1e3 * t for t in verdict)
+        notes.append(
+            f"flex: a forward timed after compiling (the best of 2): {flex_ms:.1f} ms; the "
+            f"tiled kernel's: {tiled_ms:.1f} ms (auto takes the faster)"
+        )
+    return notes
+
+
+def _flex_checked(call: Call) -> bool:
+    options = call.options
+    return options.masked or options.score_mod is not None or options.sinks is not None
+
+
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
@@ -657,6 +900,8 @@ BACKENDS: dict[str, Backend] = {
             _reference_refusal,
             _run_reference,
             fast=False,
+            records_steps=True,
+            runs="NumPy and PyTorch",
         ),
         Backend(
             "sdpa",
@@ -664,6 +909,11 @@ BACKENDS: dict[str, Backend] = {
             _sdpa_refusal,
             _run_sdpa,
             why=lambda call: "fused kernel; runs this call without a large dense mask",
+            checks_output=sdpa_checked,
+            half_in=None,
+            plans=True,
+            notes=_sdpa_notes,
+            in_graph=_sdpa_in_graph,
         ),
         Backend(
             "flex",
@@ -672,10 +922,19 @@ BACKENDS: dict[str, Backend] = {
             _run_flex,
             why=_why_flex,
             first=lambda call: on_cuda(call) and structured(call),
+            checks_output=_flex_checked,
             compiles=True,
+            half_in=None,
+            runs="PyTorch, float32 and half on CPU",
+            notes=_flex_notes,
         ),
         Backend(
-            "tiled", "qkv's tiled O(L)-memory kernel", _tiled_refusal, _run_tiled, why=_why_tiled
+            "tiled",
+            "qkv's tiled O(L)-memory kernel",
+            _tiled_refusal,
+            _run_tiled,
+            why=_why_tiled,
+            in_graph=_tiled_in_graph,
         ),
     )
 }

@@ -34,19 +34,9 @@ from typing import Any
 import torch
 
 from qkv._array import Array
-from qkv.attention._backends import (
-    four,
-    four_mask,
-    needs_grad,
-    refusal_error,
-    sdpa_checked,
-    sdpa_output,
-    sdpa_static_refusal,
-    three,
-    tiled_refusal,
-)
+from qkv.attention._backends import BACKENDS, four, refusal_error, three
 from qkv.attention._options import Call
-from qkv.kernels._tiled_ops import finite, tiled_in_graph
+from qkv.kernels import _tiled_ops  # noqa: F401  (its operators exist before a graph is traced)
 from qkv.masks import Mask
 
 __all__ = ["outside_graph", "run_compiled", "run_eagerly"]
@@ -82,33 +72,25 @@ graph read as a number (a graph break, as :data:`run_eagerly`)."""
 def run_compiled(call: Call, backend: str) -> tuple[Array, Array | None] | None:
     """Run ``call`` (torch tensors, no trace) while torch.compile traces it; returns
     (context, None) in the call's layout, or None when the call must run outside the graph
-    (:func:`outside_graph`).
+    (:func:`outside_graph`). Auto takes the first backend of the registry whose
+    ``in_graph`` form runs the call; a backend without one runs outside the graph.
 
     Raises:
-        ValueError: ``backend`` is ``"sdpa"`` or ``"tiled"`` and cannot run the call (as
-            without torch.compile).
+        ValueError: the backend asked for has an in-graph form that cannot run the call
+            (as without torch.compile).
     """
     call = _static(call)
-    if backend in ("auto", "sdpa"):
-        why = sdpa_static_refusal(call, backend == "auto")
-        if why is None:
-            if not sdpa_checked(call):
-                return three(sdpa_output(call), call.lead), None
-            source = call
-            if needs_grad(call):  # torch's backward must not see a NaN of a redone call
-                source = replace(
-                    call, query=finite(call.query), key=finite(call.key), value=finite(call.value)
-                )
-            candidate = sdpa_output(source)  # (B, H, Lq, Dv)
-            return three(_tiled(call, candidate=candidate), call.lead), None
-        if backend == "sdpa":
-            raise refusal_error(backend, why)
-    if backend in ("auto", "tiled"):
-        why = tiled_refusal(call)
-        if why is None:
-            return three(_tiled(call, candidate=None), call.lead), None
-        if backend == "tiled":
-            raise refusal_error(backend, why)
+    auto = backend == "auto"
+    asked = [backend] if not auto else [n for n, b in BACKENDS.items() if b.in_graph]
+    for name in asked:
+        form = BACKENDS[name].in_graph if name in BACKENDS else None
+        if form is None:
+            return None
+        result = form(call, auto)
+        if not isinstance(result, str):
+            return result
+        if not auto:
+            raise refusal_error(backend, result)
     return None
 
 
@@ -131,25 +113,3 @@ def _static(call: Call) -> Call:
     q4, k4 = four(call.query, call.lead), four(call.key, call.lead)
     allowed = three(evaluate_rule(mask, q4, k4), call.lead)  # the call's layout
     return replace(call, options=replace(options, mask=allowed))
-
-
-def _tiled(call: Call, *, candidate: torch.Tensor | None) -> torch.Tensor:
-    """The call on the tiled kernel's operator (keeping sdpa's ``candidate`` when it can):
-    the context (B, H, Lq, Dv)."""
-    options = call.options
-    seed = options.seed
-    return tiled_in_graph(
-        four(call.query, call.lead),
-        four(call.key, call.lead),
-        four(call.value, call.lead),
-        mask=four_mask(options.dense_mask, call),
-        bias=four_mask(options.bias, call),
-        sinks=options.sinks,
-        seed=seed if isinstance(seed, torch.Tensor) else None,
-        candidate=candidate,
-        is_causal=options.is_causal,
-        causal_alignment=options.causal_alignment,
-        scale=options.scale_for(int(call.query.shape[-1])),
-        dropout_p=options.dropout_p,
-        grad=needs_grad(call),
-    )

@@ -65,10 +65,14 @@ class Dispatch:
     def __str__(self) -> str:
         """A short report that fits 80 columns."""
         lines = [f"backend: {self.backend} (asked: {self.requested})"]
+        width = max([_backends.name_width(), *(len(name) for name, _ in self.reasons)])
         for name, why in self.reasons:
             mark = "→" if name == self.backend else " "
             lines += textwrap.wrap(
-                why, 78, initial_indent=f" {mark} {name:<9} ", subsequent_indent=" " * 13
+                why,
+                78,
+                initial_indent=f" {mark} {name:<{width}} ",
+                subsequent_indent=" " * (width + 4),
             )
         for note in self.notes:
             lines += textwrap.wrap(note, 78, initial_indent="   note: ", subsequent_indent=" " * 9)
@@ -147,152 +151,45 @@ def decide(call: Call, requested: str) -> Dispatch:
                 reasons[name] = "could run; " + _passed_over(call, name, chosen)
     notes = []
     options = call.options
-    if chosen != "reference" and call.trace is not None:
+    backend = BACKENDS[chosen]
+    if not backend.records_steps and call.trace is not None:
         notes.append(_trace_note(call))
-    if chosen == "sdpa" and (options.masked or options.bias is not None):
-        notes.append("sdpa's output is checked for NaN/inf; if any, the tiled kernel redoes it")
-    kernel = None
-    if chosen == "sdpa" and _backends.on_cuda(call):
-        try:
-            choice = _sdpa_choice(call)
-        except (RuntimeError, TypeError, AttributeError) as error:  # an older torch's API
-            notes.append(f"torch's SDPA kernel: not known ({type(error).__name__}: {error})")
-        else:
-            kernel = choice.kernel
-            notes.append(str(choice))
-    if chosen == "flex":
-        notes.extend(_flex_notes(call))
+    own = backend.notes(call)
+    notes.extend(own.lines)
+    if backend.checks_output(call):
+        notes.append(
+            f"{chosen}'s output is checked for NaN/inf; if any, the tiled kernel redoes it"
+        )
     if options.is_causal and options.mask is not None:
         notes.append(
             "is_causal=True and mask= are combined: a key is attended only where both allow "
             "it (torch's SDPA raises instead)"
         )
-    half = _half_name(call)
-    if half is not None:
-        notes.append(_half_note(chosen, half))
+    half = _backends.half_name(call)
+    if half is not None and backend.half_in is not None:
+        notes.append(f"{half}: computed in {backend.half_in} and the result rounded to {half}")
     ordered = tuple((name, reasons[name]) for name in listed)
-    return Dispatch(chosen, requested, ordered, tuple(notes), sdpa_kernel=kernel)
-
-
-def _sdpa_choice(call: Call) -> Any:
-    """The kernel torch's SDPA runs for the call on CUDA (:mod:`qkv.kernels._sdpa_choice`),
-    given what qkv's sdpa adapter would pass torch."""
-    from qkv.kernels._sdpa_choice import sdpa_kernel_choice, torch_mask_stand_in
-
-    options = call.options
-    q4, k4, v4 = (_backends.four(x, call.lead) for x in (call.query, call.key, call.value))
-    attn_mask, is_causal = torch_mask_stand_in(
-        q4,
-        k4,
-        mask=_backends.four_mask(options.mask, call),
-        bias=_backends.four_mask(options.bias, call),
-        is_causal=options.is_causal,
-        alignment=options.causal_alignment,
-    )
-    return sdpa_kernel_choice(
-        q4,
-        k4,
-        v4,
-        attn_mask=attn_mask,
-        is_causal=is_causal,
-        enable_gqa=int(q4.shape[1]) != int(k4.shape[1]),
-    )
-
-
-def _flex_notes(call: Call) -> list[str]:
-    """What a flex run does besides the kernel: the block mask, compilation, the checks."""
-    from qkv.kernels._flex_masks import block_size_for
-
-    options = call.options
-    block = block_size_for(call.query.device)
-    notes = []
-    rule = options.rule
-    if rule is not None:
-        how = (
-            "from the rule's block structure"
-            if rule.knows_blocks
-            else "every block partial (the rule has no block hint)"
-        )
-        notes.append(
-            f"flex: block mask of {block} × {block} blocks {how}, cached per "
-            "(rule, B, H, Lq, Lk, device)"
-        )
-    if _backends.on_cuda(call):
-        notes.append("flex: torch.compile compiles on the first call of each shape and rule")
-    else:
-        notes.extend(_cpu_compile_notes(call))
-    if options.sinks is not None:
-        notes.append("flex: sinks applied from its log-sum-exp, out · σ(lse − sink)")
-    if options.masked or options.score_mod is not None or options.sinks is not None:
-        notes.append("flex's output is checked for NaN/inf; if any, the tiled kernel redoes it")
-    return notes
-
-
-def _cpu_compile_notes(call: Call) -> list[str]:
-    """What the compiled CPU path does for this call, and its compile time (apart)."""
-    from qkv.kernels._compiled_forward import COMPILED
-
-    notes = [
-        "flex on CPU: torch's compiled forward; a gradient or sinks come from the tiled "
-        "kernel's backward, from the forward's log-sum-exp (read through one more key)"
-    ]
-    seconds = COMPILED.seconds.get(_backends.cpu_run_key(call))
-    if seconds is None:
-        notes.append(
-            "flex: not compiled yet for this rule, shapes and dtype: the first call compiles "
-            "(seconds; explain_dispatch compiles nothing)"
-        )
-    else:
-        notes.append(
-            f"flex: compiled for this rule, shapes and dtype by a first call of {seconds:.1f} s"
-        )
-    verdict = COMPILED.verdict.get(_backends.cpu_run_key(call))
-    if verdict is not None:
-        flex_ms, tiled_ms = (1e3 * t for t in verdict)
-        notes.append(
-            f"flex: a forward timed after compiling (the best of 2): {flex_ms:.1f} ms; the "
-            f"tiled kernel's: {tiled_ms:.1f} ms (auto takes the faster)"
-        )
-    return notes
-
-
-def _half_name(call: Call) -> str | None:
-    """ "float16" or "bfloat16" for half-precision inputs, else None."""
-    name = str(call.query.dtype).removeprefix("torch.")
-    return name if name in ("float16", "bfloat16") else None
-
-
-def _half_note(chosen: str, half: str) -> str:
-    if chosen == "flex":
-        return (
-            f"{half}: given to compiled FlexAttention as {half} (scores and softmax in "
-            f"float32, the weights rounded to {half} for the product with V)"
-        )
-    if chosen == "sdpa":
-        return (
-            f"{half}: given to torch's fused kernel as {half} (it accumulates in float32 but "
-            f"rounds the weights to {half}); backend='tiled' or 'reference' compute in float32"
-        )
-    return f"{half}: computed in float32 and the result rounded to {half}"
+    return Dispatch(chosen, requested, ordered, tuple(notes), sdpa_kernel=own.kernel)
 
 
 def _auto(call: Call, refusals: dict[str, str | None]) -> tuple[str, str]:
+    steps = _backends.stepwise()  # the reference: it forms every step
     if not call.torch:
-        return "reference", "NumPy inputs: the reference runs them"
+        return steps, "NumPy inputs: the reference runs them"
     if call.return_weights:
-        if refusals["reference"] is not None:
+        if refusals[steps] is not None:
             raise MemoryError(
-                f"return_weights=True: the weights {refusals['reference']}. Hint: record a "
+                f"return_weights=True: the weights {refusals[steps]}. Hint: record a "
                 "few heads and query rows instead with qkv.tracing(heads=..., queries=...)."
             )
-        return "reference", "the weights are asked for: only the reference forms them"
-    if call.trace is not None and refusals["reference"] is None:
-        return "reference", "a trace is recorded: the reference forms every step"
+        return steps, "the weights are asked for: only the reference forms them"
+    if call.trace is not None and refusals[steps] is None:
+        return steps, "a trace is recorded: the reference forms every step"
     for name in _fast_order(call):
         if refusals[name] is None:
             return name, BACKENDS[name].why(call)
-    if refusals["reference"] is None or BACKENDS["reference"].refusal(call, False) is None:
-        return "reference", "the fast backends refuse this call"
+    if refusals[steps] is None or BACKENDS[steps].refusal(call, False) is None:
+        return steps, "the fast backends refuse this call"
     raise ValueError(
         "no backend can run this call: "
         + "; ".join(f"{n}: {refusals[n]}" for n in BACKENDS if refusals[n])
@@ -308,8 +205,8 @@ def _fast_order(call: Call) -> tuple[str, ...]:
 
 
 def _passed_over(call: Call, name: str, chosen: str) -> str:
-    order = ["reference", *_fast_order(call)]
-    if name == "reference":
+    order = [_backends.stepwise(), *_fast_order(call)]
+    if BACKENDS[name].records_steps:
         return "but forms every (Lq, Lk) step"
     if name not in order or chosen not in order:
         return "not needed"
@@ -393,11 +290,9 @@ def scaled_dot_product_attention(
             :func:`qkv.tracing` block, if any). When the (Lq, Lk) steps would not fit in
             memory, only the trace's selected heads and query rows are recorded (a
             warning says which).
-        backend: ``"auto"`` (default) or a name in the registry
-            :data:`qkv.attention.BACKENDS`: ``"reference"``, ``"sdpa"`` (PyTorch's fused
-            kernel), ``"flex"`` (torch's compiled FlexAttention; auto takes it on CUDA for
-            mask rules and score modifiers) or ``"tiled"`` (qkv's O(L)-memory kernel); see
-            :func:`qkv.explain_dispatch`.
+        backend: ``"auto"`` (default) or the name of a backend in the registry
+            :data:`qkv.attention.BACKENDS` (each with its ``description``; the kernels page
+            of the docs tells them apart); see :func:`qkv.explain_dispatch`.
 
     Returns:
         context (..., H, Lq, Dv), a tensor laid out in memory as the query is (as torch's
@@ -446,11 +341,11 @@ def scaled_dot_product_attention(
     if plan is not None:  # checked and dispatched before: sdpa runs it (see _plans.py)
         context = plan.clean_flash(query, key, value)
         if context is None:
-            context, _ = BACKENDS["sdpa"].run(plan.call(query, key, value))
+            context, _ = BACKENDS[_backends.planned()].run(plan.call(query, key, value))
         return like_layout(context, query)
     backend = arguments.pop("backend")
     call = make_call(query, key, value, **arguments)
-    if signature is not None and choose(call, backend) == "sdpa":
+    if signature is not None and BACKENDS[choose(call, backend)].plans:
         PLANS.keep(signature, call)
     context, weights = run_call(call, backend)
     context = like_layout(context, query)  # the query's memory layout, as torch's SDPA
@@ -529,9 +424,9 @@ def run_call(
         _backends.count_auto_call(call)
     if rows_only and backend == "auto" and _selects_part(call):
         fast = choose(replace(call, recorder=Recorder()), "auto")
-        backend = backend if fast == "reference" else fast
+        backend = backend if BACKENDS[fast].records_steps else fast
     chosen = choose(call, backend)
-    if chosen == "reference" or call.trace is None:
+    if BACKENDS[chosen].records_steps or call.trace is None:
         return BACKENDS[chosen].run(call)
     context, _ = BACKENDS[chosen].run(replace(call, recorder=Recorder()))
     record_partial(call, call.trace, context, backend=chosen)
@@ -624,15 +519,14 @@ def explain_dispatch(
     Takes the arguments of :func:`scaled_dot_product_attention`; print the result for a
     short report.
 
-    Example:
+    Example (``print(report)`` lists every backend of the registry, one line each):
         >>> import numpy as np
         >>> q = np.ones((4, 8))
-        >>> print(explain_dispatch(q, q, q))
-        backend: reference (asked: auto)
-         → reference NumPy inputs: the reference runs them
-           sdpa      refused: needs PyTorch tensors; these are NumPy arrays
-           flex      refused: needs PyTorch tensors; these are NumPy arrays
-           tiled     refused: needs PyTorch tensors; these are NumPy arrays
+        >>> report = explain_dispatch(q, q, q)
+        >>> report.backend, report.reasons[0]
+        ('reference', ('reference', 'NumPy inputs: the reference runs them'))
+        >>> dict(report.reasons)["tiled"]
+        'refused: needs PyTorch tensors; these are NumPy arrays'
     """
     generator = options.pop("generator", None)
     dropout = options.get("dropout_p", 0.0)
@@ -661,5 +555,5 @@ def weight_rows(
     """
     trace = Trace(heads=tuple(heads), queries=tuple(rows), record_steps=("weights",))
     call = positional_bias(make_call(query, key, value, trace=trace, **options))
-    record_partial(call, trace, call.query, backend="reference")
+    record_partial(call, trace, call.query, backend=_backends.stepwise())
     return trace["weights"].value

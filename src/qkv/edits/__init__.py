@@ -12,6 +12,8 @@ a model of ``qkv.nn`` modules with some heads changed. Each edit names a layer (
 - :func:`scale` ``(layer, head, factor)``;
 - :func:`set_weights` ``(layer, head, query, weights)``: one row of the pattern.
 
+:data:`EDITS` is the registry of these kinds (each one class, which applies itself).
+
 Only the edited heads' slices change: the other heads keep the fast kernel's output, and a
 weight edit computes only its rows. Under grouped-query attention an edit of one query head
 never changes the others that share its key/value head.
@@ -45,6 +47,7 @@ from qkv.edits._patching import (
 )
 from qkv.edits._record import head_means, record
 from qkv.edits._specs import (
+    EDITS,
     Ablate,
     Edit,
     HeadMeans,
@@ -60,6 +63,7 @@ from qkv.edits._specs import (
 from qkv.edits._stats import STATISTICS, HeadStats, head_stats
 
 __all__ = [
+    "EDITS",
     "STATISTICS",
     "Ablate",
     "Edit",

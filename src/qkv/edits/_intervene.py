@@ -9,7 +9,7 @@ from typing import Any
 from qkv._edit_point import active_editor, editing
 from qkv.edits._apply import HeadEditor
 from qkv.edits._model import Layers, layers_of, routed_model
-from qkv.edits._specs import Edit, HeadMeans, Patch
+from qkv.edits._specs import EDITS, Edit
 
 __all__ = ["intervene"]
 
@@ -29,8 +29,8 @@ def intervene(model: Any, *edits: Edit) -> Iterator[None]:
 
     Args:
         model: the model (``torch.nn.Module``).
-        *edits: :func:`~qkv.edits.ablate`, :func:`~qkv.edits.patch`,
-            :func:`~qkv.edits.scale`, :func:`~qkv.edits.set_weights`.
+        *edits: edits of the kinds of :data:`~qkv.edits.EDITS` (:func:`~qkv.edits.ablate`,
+            :func:`~qkv.edits.patch`, ...).
 
     Raises:
         TypeError, ValueError: an edit that is not one, a layer or head the model does not
@@ -58,10 +58,10 @@ def _by_layer(layers: Layers, edits: tuple[Edit, ...]) -> dict[int, list[Edit]]:
     by_layer: dict[int, list[Edit]] = {}
     for position, edit in enumerate(edits):
         if not isinstance(edit, Edit):
+            kinds = ", ".join(f"{kind}(...)" for kind in EDITS)
             raise TypeError(
                 f"intervene(model, ...): edit {position} is a {type(edit).__name__}, not an "
-                "edit. Hint: qkv.edits.ablate(layer, head), patch(...), scale(...), "
-                "set_weights(...)."
+                f"edit. Hint: one of qkv.edits' {kinds}."
             )
         where = f"{edit.kind}(layer={edit.layer!r}, head={edit.head})"
         index = layers.index(edit.layer, where)
@@ -71,11 +71,6 @@ def _by_layer(layers: Layers, edits: tuple[Edit, ...]) -> dict[int, list[Edit]]:
                 f"{where}: layer {layers.paths[index]!r} has {heads} query heads. Hint: "
                 f"choose a head from 0 to {heads - 1}."
             )
-        if isinstance(edit, Patch):
-            assert edit.source is not None
-            edit.source.head(index, edit.head, edit.what)
-        mean = getattr(edit, "mean", None)
-        if isinstance(mean, HeadMeans):
-            mean.of(index, edit.head)
+        edit.check_sources(index)
         by_layer.setdefault(index, []).append(edit)
     return by_layer

@@ -9,24 +9,32 @@ A head's *context* is its slice of the input to the output projection: the (Lq, 
                C_h ← A_h · V_h with this run's values (what="weights")
     scale      C_h ← factor · C_h
     set_weights  one row: A_h[i] ← w, C_h[i] ← w · V_h
+
+Each kind is one class of :data:`EDITS` (its ``kind``, the name of the function that makes
+it) and applies itself (:meth:`Edit.apply`); the tests and the docs' lists of edits come
+from that registry.
 """
 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from qkv._extras import require
 
 __all__ = [
+    "EDITS",
     "Ablate",
     "Edit",
     "HeadMeans",
     "Patch",
     "Recording",
+    "Rows",
     "Scale",
     "SetWeights",
+    "Target",
     "ablate",
     "check_layer",
     "patch",
@@ -142,17 +150,68 @@ class HeadMeans:
 
 
 @dataclass(frozen=True)
-class Edit:
-    """An edit of one query head of one layer (see the module docstring)."""
+class Target:
+    """What an edit writes into at one attention call.
+
+    ``context``: the call's (B, H, Lq, D) contexts, a copy the edit writes its head's slice
+    of; ``value``: the edited head's (B, Lk, Dv) values (its key/value head under GQA);
+    ``positions``: the sequence positions of the call's query rows; ``first_key``: the
+    position of its first key (past the tokens a windowed cache let go); ``layer``: the
+    layer's index; ``where``: how the edit is named in an error.
+    """
+
+    context: Any
+    value: Any
+    positions: range
+    first_key: int
+    layer: int
+    where: str
+
+
+@dataclass
+class Rows:
+    """The weight rows an edit wrote: head, row indices in the call, (B, rows, Lk) values."""
+
+    head: int
+    rows: list[int]
+    values: Any
+
+
+EDITS: dict[str, type[Edit]] = {}
+"""The kinds of edit, by ``kind`` (the name of the function that makes one): a class that
+subclasses :class:`Edit` registers itself here."""
+
+
+@dataclass(frozen=True)
+class Edit(ABC):
+    """An edit of one query head of one layer (see the module docstring).
+
+    A kind of edit is a subclass with its ``kind``, its fields, and :meth:`apply`; it joins
+    :data:`EDITS` by being defined.
+    """
 
     layer: Layer
     head: int
 
     kind: ClassVar[str] = "edit"
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        EDITS[cls.kind] = cls
+
     def describe(self) -> dict[str, Any]:
         """What a trace notes of this edit (JSON-able)."""
         return {"edit": self.kind, "head": self.head}
+
+    def check_sources(self, layer: int) -> None:
+        """Check, before any forward, that what the edit reads holds layer ``layer``'s
+        head (a recording, head means); raises ValueError."""
+        return None  # an edit that reads nothing else has nothing to check
+
+    @abstractmethod
+    def apply(self, at: Target) -> Rows | bool | None:
+        """Write this edit into ``at.context`` (its head's slice only). Returns the weight
+        rows it set, True for a context edit, None when it does not touch this call."""
 
 
 @dataclass(frozen=True)
@@ -164,6 +223,24 @@ class Ablate(Edit):
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "how": self.how}
 
+    def check_sources(self, layer: int) -> None:
+        if isinstance(self.mean, HeadMeans):
+            self.mean.of(layer, self.head)
+
+    def apply(self, at: Target) -> bool:
+        context, h = at.context, self.head
+        if self.how == "zero":
+            context[:, h] = 0
+            return True
+        mean = self.mean.of(at.layer, h) if isinstance(self.mean, HeadMeans) else self.mean
+        if mean.shape[-1] != context.shape[-1]:
+            raise ValueError(
+                f"{at.where}: mean has {mean.shape[-1]} features, the head has "
+                f"{context.shape[-1]}. Hint: the head means of the same model."
+            )
+        context[:, h] = mean.to(device=context.device, dtype=context.dtype)
+        return True
+
 
 @dataclass(frozen=True)
 class Patch(Edit):
@@ -174,6 +251,29 @@ class Patch(Edit):
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "what": self.what}
 
+    def _source(self) -> Recording:
+        if self.source is None:
+            raise ValueError(
+                f"patch(layer={self.layer!r}, head={self.head}): no source recording. Hint: "
+                "make the edit with qkv.edits.patch(layer, head, source)."
+            )
+        return self.source
+
+    def check_sources(self, layer: int) -> None:
+        self._source().head(layer, self.head, self.what)
+
+    def apply(self, at: Target) -> Rows | bool:
+        context, value, h = at.context, at.value, self.head
+        source = self._source().head(at.layer, h, self.what)
+        source = _rows_of(source, at.positions, context.shape[0], at.where)
+        if self.what == "context":
+            context[:, h] = source.to(device=context.device, dtype=context.dtype)
+            return True
+        pattern = _keys(source, at.first_key, int(value.shape[1]))
+        pattern = pattern.to(device=value.device, dtype=value.dtype)
+        context[:, h] = (pattern @ value).to(context.dtype)  # (B, Lq, Lk)·(B, Lk, Dv)
+        return Rows(h, list(range(len(at.positions))), pattern)
+
 
 @dataclass(frozen=True)
 class Scale(Edit):
@@ -182,6 +282,10 @@ class Scale(Edit):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "factor": self.factor}
+
+    def apply(self, at: Target) -> bool:
+        at.context[:, self.head] = at.context[:, self.head] * self.factor
+        return True
 
 
 @dataclass(frozen=True)
@@ -192,6 +296,66 @@ class SetWeights(Edit):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "query": self.query}
+
+    def apply(self, at: Target) -> Rows | None:
+        context, value, positions, first_key = at.context, at.value, at.positions, at.first_key
+        end = positions.stop
+        position = self.query if self.query >= 0 else end + self.query
+        if position < 0:
+            raise ValueError(
+                f"{at.where}: query {self.query} is before the sequence of {end} tokens. "
+                f"Hint: choose a position from 0 to {end - 1}, or from -{end}."
+            )
+        if position not in positions:
+            return None
+        row = position - positions.start
+        w = self.weights
+        keys, span = int(value.shape[1]), first_key + int(value.shape[1])
+        if w.shape[-1] != span or (w.ndim == 2 and w.shape[0] not in (1, context.shape[0])):
+            raise ValueError(
+                f"{at.where}: weights of shape {tuple(w.shape)} for a row of {span} keys and "
+                f"a batch of {context.shape[0]}. Hint: pass ({span},) or "
+                f"({context.shape[0]}, {span})."
+            )
+        if first_key and bool(w[..., :first_key].any()):
+            raise ValueError(
+                f"{at.where}: weights on keys 0 to {first_key - 1}, which the cache's window "
+                f"has let go before query {position}. Hint: weights only on keys {first_key} "
+                f"to {span - 1}, or a cache with a longer max_length."
+            )
+        w = w[..., first_key:].to(device=value.device, dtype=value.dtype)
+        w = w.reshape(-1, 1, keys).expand(context.shape[0], 1, keys)  # (B, 1, Lk)
+        context[:, self.head, row] = (w @ value)[:, 0].to(context.dtype)
+        return Rows(self.head, [row], w)
+
+
+def _rows_of(source: Any, positions: range, batch: int, where: str) -> Any:
+    """The recorded rows (B, Lq, ·) of this call's positions."""
+    held, size = int(source.shape[1]), int(source.shape[0])
+    if positions.stop > held:
+        raise ValueError(
+            f"{where}: the call reaches position {positions.stop - 1} but the recording holds "
+            f"{held} positions. Hint: record the source on inputs as long as this run's."
+        )
+    if size not in (1, batch):
+        raise ValueError(
+            f"{where}: the recording has a batch of {size}, this run {batch}. Hint: record "
+            "the source with the same batch size (or one prompt)."
+        )
+    return source[:, positions.start : positions.stop].expand(batch, -1, -1)
+
+
+def _keys(pattern: Any, first: int, keys: int) -> Any:
+    """The columns of recorded weight rows (one per key position) of this call's ``keys``
+    from position ``first`` on, padded with zeros past the recording (a causal row gives no
+    weight to later keys)."""
+    cut = pattern[..., first : first + keys]
+    held = int(cut.shape[-1])
+    if held == keys:
+        return cut
+    pad = pattern.new_zeros((*pattern.shape[:-1], keys - held))
+    torch = require("torch", feature="qkv.intervene", extra="torch")
+    return torch.cat((cut, pad), dim=-1)
 
 
 def ablate(layer: Layer, head: int, how: str = "zero", mean: Any = None) -> Ablate:

@@ -22,6 +22,9 @@ blocks of the (Lq, Lk) matrix they leave empty or full (:meth:`Mask.blocks`): th
 (:mod:`qkv.kernels`) skips empty blocks and does not evaluate the mask on full ones. A mask of
 your own may give the same hint (``from_function(..., blocks=...)``).
 
+:data:`RULES` is the registry of the rules a user makes (``causal``, ``sliding_window``, …),
+by name.
+
 **Score modifiers.** A :class:`ScoreMod` is a rule ``score_mod(score, b, h, q_idx, kv_idx)``
 applied to the scaled scores (after ``bias``, before the mask): :func:`alibi`, :func:`softcap`,
 or your own with :func:`score_function`.
@@ -41,6 +44,7 @@ Example:
 """
 
 from qkv.masks._builtin import (
+    RULES,
     causal,
     document,
     from_function,
@@ -71,6 +75,7 @@ __all__ = [
     "EMPTY",
     "FULL",
     "PARTIAL",
+    "RULES",
     "Alignment",
     "BlockRule",
     "Mask",

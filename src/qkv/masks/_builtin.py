@@ -366,3 +366,13 @@ def from_function(
         f"from_function({label})",
         blocks=block_rule,
     )
+
+
+RULES: dict[str, Callable[..., Mask]] = {
+    rule.__name__: rule
+    for rule in (full, causal, sliding_window, key_padding, prefix_lm, document, from_function)
+}
+"""The mask rules a user makes, by name: the one list the tests draw rules from (block
+structure against the dense mask, the tiled kernel and FlexAttention against the
+reference) and the kernels page's table of rules lists. A new rule is a function here,
+with its block hint, added to this registry (and exported by ``qkv.masks``)."""

@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-import qkv
+from qkv.attention import multi_head_attention, scaled_dot_product_attention
 from qkv.render._narrative import trace_calls
-from qkv.trace import Trace, TraceCall
+from qkv.trace import Trace, TraceCall, tracing
 
 __all__ = ["LAB_CALLS_MAX", "LAB_NUMBERS_MAX", "lab_data"]
 
@@ -207,11 +207,11 @@ def _run(
     """The call recomputed by qkv's core (float64, the reference), over the first
     ``length`` tokens when given."""
     cut = slice(None, length)
-    with qkv.tracing() as trace:
+    with tracing() as trace:
         if kind == "projections":
             x, w_q, w_k, w_v = (inputs[name] for name in _PROJECTIONS)
             assert x is not None and w_q is not None and w_k is not None and w_v is not None
-            qkv.multi_head_attention(
+            multi_head_attention(
                 x[cut], w_q, w_k, w_v, inputs["W_o"], num_heads=heads, is_causal=causal,
                 scale=factor, backend="reference",
             )  # fmt: skip
@@ -220,7 +220,7 @@ def _run(
             assert q is not None and k is not None and v is not None
             # (H, L, D): one head as (L, D), several as (1, H, L, D), a batch of one
             q, k, v = (a[0] if heads == 1 else a[None] for a in (q[:, cut], k[:, cut], v[:, cut]))
-            qkv.scaled_dot_product_attention(
+            scaled_dot_product_attention(
                 q, k, v, is_causal=causal, scale=factor, backend="reference"
             )
     return trace
