@@ -147,15 +147,10 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     add_output_options(parser, "write the report to FILE instead of the terminal (atomically)")
 
 
-def _run_module(args: argparse.Namespace) -> int:
-    if args.kind not in (None, "causal", "multi-head", "attention"):
-        raise CommandError(
-            f"--kind {args.kind} does not go with --module: a class is checked as multi-head "
-            "attention, or as one head without an output projection. Hint: --kind causal (it "
-            "must be causal), --kind multi-head (it must not be), --kind attention (one "
-            "head), or leave --kind out (as the class says)"
-        )
-    unused = [
+def _function_options(args: argparse.Namespace) -> list[str]:
+    """The options of ``--function``'s probes that were given: a class (``--module``) and
+    ``--kind flash`` are probed their own way and refuse them."""
+    return [
         option
         for option, given in (
             ("--num-kv-heads", args.num_kv_heads is not None),
@@ -166,6 +161,17 @@ def _run_module(args: argparse.Namespace) -> int:
         )
         if given
     ]
+
+
+def _run_module(args: argparse.Namespace) -> int:
+    if args.kind not in (None, "causal", "multi-head", "attention"):
+        raise CommandError(
+            f"--kind {args.kind} does not go with --module: a class is checked as multi-head "
+            "attention, or as one head without an output projection. Hint: --kind causal (it "
+            "must be causal), --kind multi-head (it must not be), --kind attention (one "
+            "head), or leave --kind out (as the class says)"
+        )
+    unused = _function_options(args)
     if unused:
         raise CommandError(
             f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not go with "
@@ -195,17 +201,7 @@ def _run_module(args: argparse.Namespace) -> int:
 
 
 def _run_flash(args: argparse.Namespace) -> int:
-    unused = [
-        option
-        for option, given in (
-            ("--num-kv-heads", args.num_kv_heads is not None),
-            ("--mask-means", args.mask_means != "allow"),
-            ("--array", args.array != "auto"),
-            ("--causal-alignment", args.causal_alignment != "top-left"),
-            ("--batched", args.batched),
-        )
-        if given
-    ]
+    unused = _function_options(args)
     if unused:
         raise CommandError(
             f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not go with --kind "

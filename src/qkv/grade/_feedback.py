@@ -30,14 +30,12 @@ import os
 import yaml
 
 from qkv._format import visible
-from qkv._read import FileLimitError, read_bytes
-from qkv.grade._rubric import _CODES, RubricError, _did_you_mean, _mapping
+from qkv.grade._rubric import _CODES, RubricError, _did_you_mean, _mapping, read_yaml_text
 
 __all__ = ["MAX_WORDS", "load_feedback", "parse_feedback"]
 
 MAX_WORDS = 2000
 """The most characters of the teacher's words for one code."""
-_LIMIT = 64 << 10
 
 
 def load_feedback(path: str | os.PathLike[str]) -> dict[str, str]:
@@ -47,18 +45,7 @@ def load_feedback(path: str | os.PathLike[str]) -> dict[str, str]:
         RubricError: the file is missing, too large, not UTF-8 YAML, or an entry is wrong.
     """
     source = os.fspath(path)
-    try:
-        text = read_bytes(path, limit=_LIMIT, what="a feedback file").decode("utf-8")
-    except FileLimitError as error:
-        raise RubricError(f"--feedback {visible(source)}: {error}") from None
-    except UnicodeDecodeError:
-        raise RubricError(
-            f"--feedback {visible(source)}: not UTF-8 text. Hint: save it as a UTF-8 YAML file"
-        ) from None
-    except OSError as error:
-        raise RubricError(
-            f"--feedback {visible(source)}: {error.strerror or error}. Hint: check the path"
-        ) from None
+    text = read_yaml_text(path, "--feedback", "a feedback file")
     return parse_feedback(text, source=source)
 
 

@@ -86,6 +86,28 @@ class Rubric:
         return min(float(self.penalties.get(code, default)), part_points)
 
 
+def read_yaml_text(path: str | os.PathLike[str], option: str, what: str) -> str:
+    """The text of the YAML file ``option`` names (a rubric, a feedback file), read with a
+    size bound.
+
+    Raises:
+        RubricError: the file is missing, too large or not UTF-8, in one line naming it.
+    """
+    source = visible(os.fspath(path))
+    try:
+        return read_bytes(path, limit=_LIMIT, what=what).decode("utf-8")
+    except FileLimitError as error:
+        raise RubricError(f"{option} {source}: {error}") from None
+    except UnicodeDecodeError:
+        raise RubricError(
+            f"{option} {source}: not UTF-8 text. Hint: save it as a UTF-8 YAML file"
+        ) from None
+    except OSError as error:
+        raise RubricError(
+            f"{option} {source}: {error.strerror or error}. Hint: check the path"
+        ) from None
+
+
 def load_rubric(path: str | os.PathLike[str]) -> Rubric:
     """Read and check a rubric file.
 
@@ -93,19 +115,7 @@ def load_rubric(path: str | os.PathLike[str]) -> Rubric:
         RubricError: the file is missing, too large, not YAML, or a field is wrong.
     """
     source = os.fspath(path)
-    try:
-        data = read_bytes(path, limit=_LIMIT, what="a rubric")
-        text = data.decode("utf-8")
-    except FileLimitError as error:
-        raise RubricError(f"--rubric {source}: {error}") from None
-    except UnicodeDecodeError:
-        raise RubricError(
-            f"--rubric {source}: not UTF-8 text. Hint: save the rubric as a UTF-8 YAML file"
-        ) from None
-    except OSError as error:
-        raise RubricError(
-            f"--rubric {source}: {error.strerror or error}. Hint: check the path"
-        ) from None
+    text = read_yaml_text(path, "--rubric", "a rubric")
     return parse_rubric(text, source=source)
 
 
