@@ -485,3 +485,24 @@ def test_a_right_torch_submission_stays_ok_on_a_loaded_machine(tmp_path: Path) -
     with (out / "grades.csv").open(newline="", encoding="utf-8") as handle:
         (row,) = csv.DictReader(handle)
     assert (row["student"], row["status"], row["score"]) == ("ada", "ok", row["max_score"])
+
+
+def test_namespaces_work_with_a_python_below_tmp(tmp_path: Path) -> None:
+    """A virtual environment made under /tmp (as a CI clone may be) stays visible in the
+    private root: its binds go on top of the private /tmp, not below it."""
+    if not available("namespaces"):
+        pytest.skip("no namespaces isolation here")
+    assert str(tmp_path).startswith("/tmp/")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    import qkv
+
+    paths = [str(Path(qkv.__file__).parents[1]), str(Path(np.__file__).parents[1])]
+    code = (
+        f"import sys; sys.path[:0] = {paths!r}; "
+        "from qkv.check import _sandbox; print(repr(_sandbox._unavailable('namespaces')))"
+    )
+    done = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.strip() == "''", done.stderr[-500:] or done.stdout

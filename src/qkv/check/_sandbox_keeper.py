@@ -128,11 +128,13 @@ def build_root(plan: dict[str, Any]) -> None:
     _mount("tmpfs", root, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,mode=0755")
     for target, name in plan["links"]:
         os.symlink(target, root + name)
-    for path in plan["system"]:
-        _bind(root, path, writable=False)
+    # the private /tmp first: Python, its packages or the student's folder may live below
+    # /tmp (a virtual environment made there), and their binds go on top of it
     os.makedirs(root + "/tmp", exist_ok=True)
     tmp_flags = _MS_NOSUID | _MS_NODEV
     _mount("tmpfs", root + "/tmp", "tmpfs", tmp_flags, f"size={plan['tmp_size']},mode=1777")
+    for path in plan["system"]:
+        _bind(root, path, writable=False)
     for path in plan["readable"]:
         _bind(root, path, writable=False)
     for path in plan["writable"]:
