@@ -5,6 +5,8 @@ a right one passes, in both conventions."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -104,6 +106,50 @@ def test_a_split_kv_merge_names_the_nan_of_an_empty_split() -> None:
     report = check_flash(merged)
     assert [f.diagnosis for f in report.findings] == ["flash-empty-tile-nan"]
     assert report.findings[0].printed[0] == "nan"
+
+
+def _ring(guard: bool) -> Any:
+    """Ring attention as one process plays it: the keys and values in 4 shards, one per
+    rank; each step attends the shard that arrives and merges its (O_i, L_i) into the running
+    (O, L) in ring-flash-attention's form: O -= σ(L_i − L)·(O − O_i), L -= log σ(L − L_i).
+    Under the causal rule a shard can hold no allowed key for some rows (L_i = −inf, O_i =
+    NaN); ``guard`` keeps those rows as they are."""
+
+    def ring(Q, K, V, is_causal=False):
+        scale = Q.shape[-1] ** -0.5
+        n_q = Q.shape[-2]
+        out = lse = None
+        start = 0
+        for k, v in zip(K.chunk(4, dim=-2), V.chunk(4, dim=-2), strict=True):
+            s = Q @ k.transpose(-1, -2) * scale
+            if is_causal:
+                cols = torch.arange(start, start + k.shape[-2])
+                s = s.masked_fill(cols > torch.arange(n_q)[:, None], float("-inf"))
+            start += k.shape[-2]
+            block_out, block_lse = torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+            if out is None or lse is None:
+                out, lse = block_out, block_lse
+                continue
+            weight = torch.sigmoid(block_lse - lse)[..., None]
+            step = weight * (out - block_out)
+            if guard:
+                empty = torch.isneginf(block_lse)
+                step = torch.where(empty[..., None], 0.0, step)
+                lse = torch.where(empty, lse, lse - torch.nn.functional.logsigmoid(lse - block_lse))
+            else:
+                lse = lse - torch.nn.functional.logsigmoid(lse - block_lse)
+            out = out - step
+        return out, lse
+
+    return ring
+
+
+def test_a_ring_attention_step_is_checked_like_a_kernel() -> None:
+    """The merge of a ring attention step, with the float64 oracle: right when a shard with
+    no allowed key leaves its rows alone, and the NaN named when it does not."""
+    assert check_flash(_ring(guard=True)).ok
+    report = check_flash(_ring(guard=False))
+    assert [f.diagnosis for f in report.findings][:1] == ["flash-empty-tile-nan"]
 
 
 def test_a_kernel_with_a_base_2_log_sum_exp_is_named() -> None:

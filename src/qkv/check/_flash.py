@@ -385,6 +385,25 @@ def _unmatched(
     return None
 
 
+def _nan_rows(
+    judge: _Judge, where: list[int], slip: FlashSlip, blocks: tuple[int, int] | None
+) -> tuple[str, FlashSlip, tuple[int, int]] | None:
+    """``flash-empty-tile-nan`` for causal outputs that are right but for rows of NaN where
+    the oracle has numbers, whatever the tiles or splits were (a split-KV or ring merge of a
+    block with no allowed key, cut where the student cut it)."""
+    size = blocks or (_ONE, _ONE)
+    seen = False
+    for i in where:
+        got, want = judge.got[i].out, judge.made(i, slip, *size)[0]
+        if got is None or got.shape != want.shape:
+            return None
+        rows = np.isnan(got).any(axis=-1) & np.isfinite(want).all(axis=-1)
+        if not _close(got[~rows], want[~rows], _O_TOL):
+            return None
+        seen = seen or bool(rows.any())
+    return ("flash-empty-tile-nan", slip, size) if seen else None
+
+
 def _diagnose(judge: _Judge) -> list[Finding]:
     findings: list[Finding] = []
     probes = judge.probes
@@ -413,7 +432,7 @@ def _diagnose(judge: _Judge) -> list[Finding]:
         options = [
             (code, dataclasses.replace(current, **change), tiles) for code, change, tiles in _CAUSAL
         ]
-        found = judge.search(options, causal, blocks)
+        found = judge.search(options, causal, blocks) or _nan_rows(judge, causal, current, blocks)
         if found is None:
             unknown = _unmatched(judge, causal, current, blocks or (_ONE, _ONE), "output")
             findings.extend([unknown] if unknown else [])
