@@ -196,3 +196,24 @@ def test_the_slips_algorithm_done_right_is_qkv_tiled_kernel(index: int) -> None:
         np.testing.assert_allclose(lse[at], steps.lse, rtol=1e-9, atol=1e-9)
         for mine, theirs in ((d_q, steps.dq), (d_k, steps.dk), (d_v, steps.dv)):
             np.testing.assert_allclose(mine[at], theirs, rtol=1e-7, atol=1e-7)
+
+
+def test_what_a_submission_gives_nothing_to_check_of_is_said() -> None:
+    """O alone gives no L to check, and a function no backward: the report says so, and
+    qkv grade gives those parts nothing (tests/grade/test_flash_class.py)."""
+
+    def o_only(Q, K, V, is_causal=False):
+        return torch.nn.functional.scaled_dot_product_attention(Q, K, V, is_causal=is_causal)
+
+    def o_and_l(Q, K, V, is_causal=False):
+        s = Q @ K.transpose(-1, -2) * Q.shape[-1] ** -0.5
+        if is_causal:
+            n_q, n_k = s.shape[-2:]
+            s = s.masked_fill(torch.ones(n_q, n_k, dtype=torch.bool).triu(1), float("-inf"))
+        return torch.softmax(s, -1) @ V, torch.logsumexp(s, -1)
+
+    report = check_flash(o_only)
+    assert report.ok and report.untaken == ("lse", "backward")
+    assert "no log-sum-exp returned or saved" in report.text()
+    report = check_flash(o_and_l)
+    assert report.ok and report.untaken == ("backward",)

@@ -45,11 +45,16 @@ def test_a_class_of_flash_submissions_is_graded_slip_by_slip(tmp_path: Path) -> 
     for code in GRADED_CODES:
         row = rows[code]
         assert (row["status"], row["first_slip"]) == ("slip", code), code
-        assert row["score"] == "3", code  # one part lost, the others earned
         graded = json.loads((out / f"{code}.json").read_text(encoding="utf-8"))
         failed = [t["name"] for t in graded["tests"] if t["status"] == "failed"]
         part = _PART.get(code, CODE_PARTS[code])  # flash-raised: on n_q != n_k, not causal
-        assert failed == [PART_TITLES[part]], code
+        # a forward-only submission also gives no backward to grade: 0 for it, said so
+        backward = next(t for t in graded["tests"] if t["name"] == PART_TITLES["flash-backward"])
+        lost = [part]
+        if "no backward of its own" in backward["output"] and part != "flash-backward":
+            lost.append("flash-backward")
+        assert failed == [PART_TITLES[p] for p in lost], code
+        assert row["score"] == str(4 - len(lost)), code  # the other parts earned
         assert code in graded["output"]
 
 
@@ -83,8 +88,9 @@ def test_the_guides_class_grades_as_shown(tmp_path: Path) -> None:
 
 
 def test_the_cs336_contract_grades_part_a_without_the_causal_part(tmp_path: Path) -> None:
-    """CS336's part (a) lets is_causal be ignored: a submission that ignores it earns every
-    point, and the grade has no causal part; a slip inside the contract still costs."""
+    """CS336's part (a) lets is_causal be ignored and the backward wait: a submission that
+    ignores it earns every point, and the grade has no causal and no backward part; a slip
+    inside the contract still costs."""
     folder = tmp_path / "class"
     folder.mkdir()
     for code in ("flash-causal-ignored", "flash-no-rescale"):
@@ -95,10 +101,10 @@ def test_the_cs336_contract_grades_part_a_without_the_causal_part(tmp_path: Path
     with (out / "grades.csv").open(newline="", encoding="utf-8") as handle:
         rows = {r["student"]: r for r in csv.DictReader(handle)}
     assert (rows["flash-causal-ignored"]["score"], rows["flash-causal-ignored"]["status"]) == (
-        "3",
+        "2",
         "ok",
     )
-    assert rows["flash-causal-ignored"]["max_score"] == "3"
+    assert rows["flash-causal-ignored"]["max_score"] == "2"  # part (a): output and L
     assert rows["flash-no-rescale"]["first_slip"] == "flash-no-rescale"
 
 

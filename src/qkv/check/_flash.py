@@ -532,6 +532,30 @@ def _judged(
     return tuple(_diagnose(_Judge(probes, got)))
 
 
+_UNTAKEN = {
+    "lse": "no log-sum-exp returned or saved (L, natural log, (batch[, heads], n_q)): L not "
+    "checked",
+    "backward": "no backward of its own: dQ, dK and dV not checked",
+}
+
+
+def _untaken(got: Sequence[_Got]) -> tuple[str, ...]:
+    """What no probe gave to check: the log-sum-exp, the gradients."""
+    ran = [g for g in got if g.out is not None]
+    return tuple(
+        what
+        for what, given in (
+            ("lse", any(g.lse is not None for g in ran)),
+            ("backward", any(g.grads is not None or g.backward_error for g in ran)),
+        )
+        if ran and not given
+    )
+
+
+def _about(untaken: Sequence[str]) -> str:
+    return "; ".join(_UNTAKEN[what] for what in untaken)
+
+
 def _contract_probes(contract: str) -> tuple[FlashProbe, ...]:
     if contract not in CONTRACTS:
         raise ValueError(
@@ -558,9 +582,12 @@ def check_flash_file(
     path, name = split_target(target)
     shown = student_text(target)
 
+    untaken: list[str] = []
+
     def probe_all(call: FlashCall) -> tuple[Finding, ...]:
         run = _remote(call)
         got = [run(p) for p in probes]
+        untaken.extend(_untaken(got))
         return _judged(probes, got, shown, f"{student_text(name)}(Q, K, V, is_causal)")
 
     done = run_file(
@@ -581,6 +608,8 @@ def check_flash_file(
         array="torch",
         file_error=done.file_error,
         isolation=done.isolation,
+        about=_about(untaken),
+        untaken=tuple(untaken),
     )
 
 
@@ -621,4 +650,6 @@ def check_flash(
         findings=_judged(probes, got, _name(fn), hint),
         kind="flash",
         array="torch",
+        about=_about(_untaken(got)),
+        untaken=_untaken(got),
     )

@@ -61,6 +61,8 @@ class FunctionReport(ReportData):
         isolation: for a ``FILE.py:NAME``, the isolation its code ran in (``bubblewrap``,
             or ``namespaces``: docs/isolation.md); None for a function
             checked in this process.
+        untaken: kind ``flash``: what it gave nothing to check of, ``lse`` (no log-sum-exp
+            returned or saved) and ``backward`` (no backward of its own).
         with_mask: whether the function took a mask (kind attention with a fourth argument),
             so that its probes included masked keys (not part of the JSON).
 
@@ -74,6 +76,7 @@ class FunctionReport(ReportData):
     file_error: str | None = None
     isolation: str | None = None
     with_mask: bool = False
+    untaken: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """``{"ok": bool, "findings": [...]}``, with ``"isolation"`` for a file, and

@@ -191,9 +191,12 @@ def _grade_flash(path: Path, student: str, settings: Settings) -> Grade:
         if f.status in ("mismatch", "note"):
             part = flash_part(f.diagnosis, f.step, causal.get(f.token, False))
             costs.setdefault(part if part in costs else parts[0], []).append(f)
+    untaken = {f"flash-{what}": what for what in report.untaken}
     results: tuple[PartResult, ...] = tuple(
-        _part(p, costs[p], settings.rubric)
-        for i, p in enumerate(parts)
+        PartResult(p, 0.0, settings.rubric.points_of(p), shown=False, why=_FLASH_UNTAKEN[p])
+        if p in untaken
+        else _part(p, costs[p], settings.rubric)
+        for p in parts
         if settings.rubric.points_of(p)
     )
     return Grade(
@@ -207,11 +210,20 @@ def _grade_flash(path: Path, student: str, settings: Settings) -> Grade:
     )
 
 
+_FLASH_UNTAKEN = {
+    "flash-lse": "Not graded: the submission returned no log-sum-exp L (return (O, L), or "
+    "save L, shape (batch, n_queries), natural log, with ctx.save_for_backward), so this "
+    "part earns nothing.",
+    "flash-backward": "Not graded: the submission has no backward of its own (a "
+    "torch.autograd.Function with backward(ctx, dO)), so this part earns nothing.",
+}
+
+
 def _flash_parts(settings: Settings) -> tuple[str, ...]:
     """A FlashAttention assignment's parts: forward output, log-sum-exp, causal, backward
-    (no causal part where the contract lets ``is_causal`` be ignored)."""
+    (CS336's part (a) lets ``is_causal`` be ignored and the backward wait)."""
     if settings.contract == "cs336":
-        return tuple(p for p in FLASH_PARTS if p != "flash-causal")
+        return tuple(p for p in FLASH_PARTS if p not in ("flash-causal", "flash-backward"))
     return FLASH_PARTS
 
 
