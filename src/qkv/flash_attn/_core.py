@@ -58,6 +58,33 @@ def check_dtypes(who: str, **tensors: torch.Tensor) -> None:
             )
 
 
+def check_block_table(who: str, block_table: Any, batch: int) -> None:
+    """``block_table`` must be integers of shape (batch, max_num_blocks_per_seq): each row
+    the pages of one sequence.
+
+    Raises:
+        ValueError: anything else, in one line naming it.
+    """
+    if (
+        not isinstance(block_table, torch.Tensor)
+        or block_table.is_floating_point()
+        or block_table.is_complex()
+        or block_table.dtype == torch.bool
+        or block_table.ndim != 2
+        or block_table.shape[0] != batch
+    ):
+        got = (
+            f"{block_table.dtype} of shape {tuple(block_table.shape)}"
+            if isinstance(block_table, torch.Tensor)
+            else type(block_table).__name__
+        )
+        raise fail(
+            who,
+            f"block_table must be integers of shape ({batch}, max_num_blocks_per_seq), the "
+            f"pages of each sequence, got {got}.",
+        )
+
+
 def check_heads(who: str, heads: int, kv_heads: int, kv_name: str = "k") -> None:
     """The key/value heads divide the query heads (GQA/MQA)."""
     if kv_heads == 0 or heads % kv_heads != 0:

@@ -19,6 +19,7 @@ from qkv.flash_attn._core import (
     Positions,
     Result,
     attend,
+    check_block_table,
     check_dtypes,
     check_heads,
     fail,
@@ -381,23 +382,7 @@ def _gather_pages(
     total = int(ends[-1]) if ends.numel() else 0
     starts = offsets(cu_seqlens_k, "cu_seqlens_k", total, "the pages", who)
     batch = len(starts) - 1
-    if (
-        not isinstance(block_table, torch.Tensor)
-        or block_table.is_floating_point()
-        or block_table.dtype == torch.bool
-        or block_table.ndim != 2
-        or block_table.shape[0] != batch
-    ):
-        got = (
-            f"{block_table.dtype} of {_shape(block_table)}"
-            if isinstance(block_table, torch.Tensor)
-            else type(block_table).__name__
-        )
-        raise fail(
-            who,
-            f"block_table must be integers of shape ({batch}, max_num_blocks_per_seq), one "
-            f"row of pages per sequence, got {got}.",
-        )
+    check_block_table(who, block_table, batch)
     num_blocks, size = int(k.shape[0]), int(k.shape[1])
     table = block_table.tolist()
     picked: list[int] = []

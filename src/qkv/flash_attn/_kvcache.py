@@ -12,7 +12,15 @@ from typing import Any
 
 import torch
 
-from qkv.flash_attn._core import Positions, attend, check_dtypes, check_heads, fail, window
+from qkv.flash_attn._core import (
+    Positions,
+    attend,
+    check_block_table,
+    check_dtypes,
+    check_heads,
+    fail,
+    window,
+)
 from qkv.masks import from_function
 
 __all__ = ["apply_rotary", "flash_attn_with_kvcache"]
@@ -238,24 +246,7 @@ def _block_table(
     block_table: Any, batch: int, cache_batch_idx: Any, cache_leftpad: Any, device: Any
 ) -> torch.Tensor:
     """The checked ``block_table`` (batch, max_num_blocks_per_seq) as int64."""
-    if (
-        not isinstance(block_table, torch.Tensor)
-        or block_table.is_floating_point()
-        or block_table.is_complex()
-        or block_table.dtype == torch.bool
-        or block_table.ndim != 2
-        or block_table.shape[0] != batch
-    ):
-        got = (
-            f"{block_table.dtype} of shape {tuple(block_table.shape)}"
-            if isinstance(block_table, torch.Tensor)
-            else type(block_table).__name__
-        )
-        raise fail(
-            _WHO,
-            f"block_table must be integers of shape ({batch}, max_num_blocks_per_seq), the "
-            f"pages of each batch row, got {got}.",
-        )
+    check_block_table(_WHO, block_table, batch)
     for name, given in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
         if given is not None:
             raise fail(
@@ -263,7 +254,8 @@ def _block_table(
                 f"{name} cannot be combined with block_table (neither can flash-attn's). "
                 "Hint: a paged cache picks each row's pages through block_table alone.",
             )
-    return block_table.to(device=device, dtype=torch.int64)
+    table: torch.Tensor = block_table  # checked above
+    return table.to(device=device, dtype=torch.int64)
 
 
 def _check_pages(
