@@ -30,7 +30,6 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,168 +38,34 @@ from numpy.typing import NDArray
 from qkv._format import number
 from qkv.check._findings import Finding
 from qkv.check._flash_codes import FLASH_DIAGNOSES
-from qkv.check._flash_slips import FlashSlip, backward, oracle, tiled
+from qkv.check._flash_probes import (
+    CONTRACTS,
+    FlashProbe,
+    Got,
+    call_probe,
+    flash_probes,
+    has_backward,
+    is_autograd,
+    remote,
+)
+from qkv.check._flash_slips import FlashSlip, backward, tiled
 from qkv.check._function import FunctionReport
 from qkv.check._function_file import (
     FlashCall,
-    FlashCallError,
     run_file,
     split_target,
 )
-from qkv.check._function_run import FunctionError, raised, student_text
+from qkv.check._function_run import FunctionError, student_text
 
 __all__ = ["CONTRACTS", "FlashProbe", "check_flash", "check_flash_file", "flash_probes"]
 
 Array = NDArray[np.float64]
 
-CONTRACTS: dict[str, str] = {
-    "full": "every probe: causal and not, any length, n_q ≠ n_k, several heads",
-    "cs336": "CS336 part (a): is_causal may be ignored; (batch, n, d) with power-of-2 lengths ≥ 16",
-}
-"""The assignments' contracts ``--contract`` names; nothing outside one is marked wrong."""
 
 _BLOCKS = (16, 32, 64, 128)
 _ONE = 1 << 20  # one block holds everything: a slip the block size does not change
 _O_TOL = (2e-3, 2e-3)  # (atol, rtol) of a float32 kernel against the float64 oracle
 _L_TOL = (2e-3, 1e-5)
-
-
-@dataclass(frozen=True)
-class FlashProbe:
-    """One input: its name, Q, K, V and dO (float64 values exact in float32), causal."""
-
-    name: str
-    q: Array
-    k: Array
-    v: Array
-    d_out: Array
-    causal: bool
-
-    @property
-    def label(self) -> str:
-        """The name with Q's and K's shapes."""
-        shape = tuple(self.q.shape)
-        if self.k.shape != self.q.shape:
-            return f"{self.name}, Q {shape}, K {tuple(self.k.shape)}"
-        return f"{self.name}, Q {shape}"
-
-    def in_contract(self, contract: str) -> bool:
-        """Whether the assignment's contract covers it."""
-        if contract == "full":
-            return True
-        n_q, n_k = self.q.shape[-2], self.k.shape[-2]
-        power = all(n >= 16 and n & (n - 1) == 0 for n in (n_q, n_k))
-        return power and not self.causal and self.q.ndim == 3
-
-
-def _draw(rng: np.random.Generator, *shape: int) -> Array:
-    return rng.standard_normal(shape).astype(np.float32).astype(np.float64)
-
-
-def flash_probes() -> tuple[FlashProbe, ...]:
-    """The probes, small first (the slips are tried on them in this order)."""
-    rng = np.random.default_rng(37)
-
-    def probe(name: str, b: tuple[int, ...], nq: int, nk: int, d: int, causal: bool) -> FlashProbe:
-        q, k, v = _draw(rng, *b, nq, d), _draw(rng, *b, nk, d), _draw(rng, *b, nk, d)
-        return FlashProbe(name, q, k, v, _draw(rng, *b, nq, d), causal)
-
-    jump = probe("scores that jump by 1000 at key 128", (1,), 256, 256, 16, False)
-    jump.q[..., 0] = 50.0
-    jump.k[..., 0] = np.where(np.arange(256) >= 128, 80.0, 0.0)
-    return (
-        probe("n_q = 20, n_k = 100", (2,), 20, 100, 16, False),
-        probe("a last block of one row", (2,), 65, 65, 16, False),
-        probe("a length not a multiple of the block", (2,), 100, 100, 16, False),
-        probe("several heads, causal", (1, 2), 80, 80, 16, True),
-        probe("causal, a last block of one row", (2,), 97, 97, 16, True),
-        probe("the course's shape", (2,), 128, 128, 64, False),
-        probe("causal, d = 64", (1,), 130, 130, 64, True),
-        jump,
-    )
-
-
-@dataclass
-class _Got:
-    out: Array | None = None
-    lse: Array | None = None
-    grads: tuple[Array, Array, Array] | None = None
-    error: str | None = None
-    backward_error: str | None = None
-
-
-def _numpy(value: Any) -> Array:
-    return np.asarray(value.detach().cpu().to(dtype=_torch().float64).numpy(), dtype=np.float64)
-
-
-def _torch() -> Any:
-    import torch
-
-    return torch
-
-
-def _is_autograd(fn: Any) -> bool:
-    torch = _torch()
-    return isinstance(fn, type) and issubclass(fn, torch.autograd.Function)
-
-
-def _has_backward(fn: Any) -> bool:
-    torch = _torch()
-    own = getattr(fn, "backward", None)
-    return own is not None and own is not getattr(torch.autograd.Function, "backward", None)
-
-
-def _saved_lse(out: Any, probe: FlashProbe) -> Array | None:
-    """L among the saved tensors of O's ``ctx``: the one of shape (batch[, heads], n_q)
-    closest to the oracle's."""
-    saved = getattr(getattr(out, "grad_fn", None), "saved_tensors", ())
-    return _best_lse([_numpy(t) for t in saved], probe)
-
-
-def _best_lse(candidates: Sequence[Array], probe: FlashProbe) -> Array | None:
-    """The candidate for L of shape (batch[, heads], n_q) closest to the oracle's."""
-    want = oracle(probe.q, probe.k, probe.v, causal=probe.causal)[1]
-    best: tuple[float, Array] | None = None
-    for got in candidates:
-        if got.shape != want.shape:
-            continue
-        with np.errstate(invalid="ignore"):
-            gap = float(np.nanmax(np.abs(got - want))) if np.isfinite(got).any() else math.inf
-        if best is None or gap < best[0]:
-            best = (gap, got)
-    return None if best is None else best[1]
-
-
-def _call(fn: Any, probe: FlashProbe, autograd: bool, grads: bool) -> _Got:
-    torch = _torch()
-    inputs = [
-        torch.tensor(x, dtype=torch.float32, requires_grad=autograd)
-        for x in (probe.q, probe.k, probe.v)
-    ]
-    try:
-        result = fn.apply(*inputs, probe.causal) if autograd else fn(*inputs, probe.causal)
-    except Exception as exc:  # the student's code may raise anything
-        return _Got(error=f"raised {raised(exc)}")
-    out = result[0] if isinstance(result, tuple | list) and result else result
-    if not isinstance(out, torch.Tensor):
-        return _Got(error=f"returned {type(result).__name__}, not a tensor")
-    got = _Got(out=_numpy(out))
-    if isinstance(result, tuple | list) and len(result) > 1 and not autograd:
-        lse = result[1]
-        got.lse = _numpy(lse) if isinstance(lse, torch.Tensor) else None
-    elif autograd:
-        got.lse = _saved_lse(out, probe)
-    if grads and out.requires_grad:
-        try:
-            out.backward(torch.tensor(probe.d_out, dtype=torch.float32))
-            found = [x.grad for x in inputs]
-            if all(g is not None for g in found):
-                got.grads = (_numpy(found[0]), _numpy(found[1]), _numpy(found[2]))
-        except NotImplementedError:
-            pass  # part (a): no backward yet
-        except Exception as exc:  # the student's backward may raise anything
-            got.backward_error = f"raised {raised(exc)} in backward"
-    return got
 
 
 def _close(got: Array | None, want: Array, tol: tuple[float, float]) -> bool:
@@ -259,7 +124,7 @@ _BACKWARD: tuple[tuple[str, str], ...] = (
 class _Judge:
     """The probes with the student's results, and the slips made on them (cached)."""
 
-    def __init__(self, probes: Sequence[FlashProbe], got: Sequence[_Got]) -> None:
+    def __init__(self, probes: Sequence[FlashProbe], got: Sequence[Got]) -> None:
         self.probes = probes
         self.got = got
         self._made: dict[tuple[int, FlashSlip, int, int], tuple[Array, Array]] = {}
@@ -502,27 +367,8 @@ def _backward_findings(judge: _Judge) -> list[Finding]:
     return findings
 
 
-def _remote(call: FlashCall) -> Callable[[FlashProbe], _Got]:
-    """The probes' calls through the student's sandboxed process."""
-
-    def run(probe: FlashProbe) -> _Got:
-        try:
-            reply = call([probe.q, probe.k, probe.v, probe.d_out], probe.causal)
-        except FlashCallError as error:
-            return _Got(error=str(error))
-        raised_back = reply.backward_raised
-        return _Got(
-            out=reply.out,
-            lse=_best_lse(reply.lse, probe),
-            grads=reply.grads,
-            backward_error=None if raised_back is None else f"raised {raised_back} in backward",
-        )
-
-    return run
-
-
 def _judged(
-    probes: Sequence[FlashProbe], got: Sequence[_Got], name: str, hint: str
+    probes: Sequence[FlashProbe], got: Sequence[Got], name: str, hint: str
 ) -> tuple[Finding, ...]:
     if all(g.error is not None for g in got):
         raise FunctionError(
@@ -539,7 +385,7 @@ _UNTAKEN = {
 }
 
 
-def _untaken(got: Sequence[_Got]) -> tuple[str, ...]:
+def _untaken(got: Sequence[Got]) -> tuple[str, ...]:
     """What no probe gave to check: the log-sum-exp, the gradients."""
     ran = [g for g in got if g.out is not None]
     return tuple(
@@ -585,7 +431,7 @@ def check_flash_file(
     untaken: list[str] = []
 
     def probe_all(call: FlashCall) -> tuple[Finding, ...]:
-        run = _remote(call)
+        run = remote(call)
         got = [run(p) for p in probes]
         untaken.extend(_untaken(got))
         return _judged(probes, got, shown, f"{student_text(name)}(Q, K, V, is_causal)")
@@ -639,9 +485,9 @@ def check_flash(
     from qkv._extras import require
 
     require("torch", feature="qkv check --kind flash")
-    autograd = _is_autograd(fn)
-    grads = autograd and _has_backward(fn)
-    got = [_call(fn, p, autograd, grads) for p in probes]
+    autograd = is_autograd(fn)
+    grads = autograd and has_backward(fn)
+    got = [call_probe(fn, p, autograd, grads) for p in probes]
     hint = "NAME.apply(Q, K, V, is_causal)" if autograd else "NAME(Q, K, V, is_causal)"
     return FunctionReport(
         name=name or _name(fn),
