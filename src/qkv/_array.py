@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import array_api_compat
 import numpy as np
@@ -25,7 +25,8 @@ Array = Any
 """An array of any supported library (NumPy ndarray or torch.Tensor)."""
 
 _HALF = ("float16", "bfloat16")
-_FLOATS = ("float16", "bfloat16", "float32", "float64")
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+"""The floating-point dtypes qkv computes with, by their short names."""
 
 
 def library(x: object) -> str:
@@ -93,14 +94,15 @@ def namespace(arrays: Sequence[tuple[str, Array | None]]) -> Any:
     first_name, first = given[0]
     kind = library(first)
     for name, a in given[1:]:
-        same_place(first_name, first, kind, name, a)
+        same_place(first_name, kind, getattr(first, "device", None), name, a)
     if kind == "other":
         return array_api_compat.array_namespace(*(a for _, a in given))
     return namespace_of(kind)
 
 
-def same_place(first_name: str, first: Array, kind: str, name: str, x: Array) -> None:
-    """``x`` comes from ``first``'s library ``kind`` (and, for tensors, sits on its device).
+def same_place(first_name: str, kind: str, device: Any, name: str, x: Array) -> None:
+    """``x`` comes from the library ``kind`` of the array ``first_name`` (and, for tensors,
+    sits on its ``device``).
 
     Raises:
         TypeError: another library, naming both arrays.
@@ -108,19 +110,22 @@ def same_place(first_name: str, first: Array, kind: str, name: str, x: Array) ->
     """
     if library(x) != kind:
         raise TypeError(
-            f"{first_name} is a {_kind(first)} but {name} is a {_kind(x)}: all inputs must "
-            "come from one library (mixed namespaces). Hint: convert with "
+            f"{first_name} is a {_KINDS.get(kind, kind)} but {name} is a {_kind(x)}: all "
+            "inputs must come from one library (mixed namespaces). Hint: convert with "
             "torch.as_tensor(...) or tensor.numpy()."
         )
-    if kind == "torch" and x.device != first.device:
+    if kind == "torch" and x.device != device:
         raise ValueError(
-            f"{first_name} is on device {first.device} but {name} is on {x.device}. "
+            f"{first_name} is on device {device} but {name} is on {x.device}. "
             f"Hint: move both to one device, e.g. {name}.to({first_name}.device)."
         )
 
 
+_KINDS = {"numpy": "NumPy array", "torch": "PyTorch tensor"}
+
+
 def _kind(a: object) -> str:
-    return {"numpy": "NumPy array", "torch": "PyTorch tensor"}.get(library(a), type(a).__name__)
+    return _KINDS.get(library(a), type(a).__name__)
 
 
 def dtype_name(x: Array) -> str:
@@ -129,7 +134,7 @@ def dtype_name(x: Array) -> str:
 
 
 def is_floating(x: Array) -> bool:
-    return dtype_name(x) in _FLOATS
+    return dtype_name(x) in FLOAT_DTYPES
 
 
 def is_bool(x: Array) -> bool:
@@ -206,22 +211,93 @@ def like_layout(out: Array, like: Array) -> Array:
         >>> like_layout(torch.ones(2, 3, 5, 4), query).stride()
         (60, 4, 12, 1)
     """
-    if library(out) != "torch" or library(like) != "torch" or out.ndim != like.ndim:
+    if library(like) != "torch":
         return out
-    if out.shape == like.shape and out.stride() == like.stride():
+    return with_layout(out, like.stride())
+
+
+def with_layout(out: Array, strides: tuple[int, ...] | None) -> Array:
+    """``out`` laid out in memory with its axes in the order of ``strides`` (a query's, as
+    :func:`like_layout` says); a copy only when its layout differs. ``None``, or an array
+    of another library or rank: ``out`` as it is."""
+    if strides is None or library(out) != "torch" or out.ndim != len(strides):
+        return out
+    if out.stride() == strides:
         return out  # the usual call: Dv = D and torch laid it out as the query
     ndim = out.ndim
-    order = sorted(range(ndim), key=lambda axis: (like.stride(axis), -axis))  # inner first
+    order = sorted(range(ndim), key=lambda axis: (strides[axis], -axis))  # inner first
     if order[0] != ndim - 1:
         order.remove(ndim - 1)
         order.insert(0, ndim - 1)
-    strides = [0] * ndim
+    wanted = [0] * ndim
     step = 1
     for axis in order:
-        strides[axis] = step
+        wanted[axis] = step
         step *= int(out.shape[axis])
-    if list(out.stride()) == strides:
+    if list(out.stride()) == wanted:
         return out
-    laid_out = out.new_empty_strided(tuple(out.shape), tuple(strides))
+    laid_out = out.new_empty_strided(tuple(out.shape), tuple(wanted))
     laid_out.copy_(out)
     return laid_out
+
+
+class Inputs(NamedTuple):
+    """Query, key and value as arrays of one library, looked at once: what the checks and
+    the backends of an attention call read about them (:func:`inputs`)."""
+
+    library: str
+    """``"numpy"`` or ``"torch"`` (or ``"other"`` for another array API library)."""
+    xp: Any
+    """Their array API namespace."""
+    query: Array
+    key: Array
+    value: Array
+    dtypes: tuple[str, str, str]
+    """The short dtype names of query, key and value."""
+    device: Any
+    """The query's device (``"cpu"`` for NumPy)."""
+    strides: tuple[int, ...] | None
+    """The query's strides for a tensor, else None: the layout of the output
+    (:func:`with_layout`)."""
+
+
+def inputs(query: object, key: object, value: object) -> Inputs:
+    """Query, key and value as arrays of one library on one device: the one look at them
+    an attention call takes (lists become float64 NumPy arrays).
+
+    Raises:
+        TypeError: something that is no array, or arrays of two libraries, naming them.
+        ValueError: tensors on two devices.
+
+    Example:
+        >>> import numpy as np
+        >>> found = inputs(np.ones((2, 4)), [[1.0] * 4], np.ones((1, 3), np.float32))
+        >>> found.library, found.dtypes
+        ('numpy', ('float64', 'float64', 'float32'))
+    """
+    kind = library(query)
+    if kind == "other" or library(key) != kind or library(value) != kind:
+        query, key, value = (
+            as_array(a, n) for a, n in ((query, "query"), (key, "key"), (value, "value"))
+        )
+        kind = library(query)
+        where = getattr(query, "device", None)
+        same_place("query", kind, where, "key", key)
+        same_place("query", kind, where, "value", value)
+    elif kind == "torch" and not (key.device == query.device == value.device):  # type: ignore[attr-defined]
+        same_place("query", kind, query.device, "key", key)  # type: ignore[attr-defined]
+        same_place("query", kind, query.device, "value", value)  # type: ignore[attr-defined]
+    if kind == "torch":
+        return Inputs(
+            kind,
+            namespace_of(kind),
+            query,
+            key,
+            value,
+            tuple(str(x.dtype).removeprefix("torch.") for x in (query, key, value)),  # type: ignore[arg-type, attr-defined]
+            query.device,  # type: ignore[attr-defined]
+            query.stride(),  # type: ignore[attr-defined]
+        )
+    xp = namespace([("query", query)]) if kind == "other" else namespace_of(kind)
+    names = tuple(str(x.dtype) for x in (query, key, value))  # type: ignore[attr-defined]
+    return Inputs(kind, xp, query, key, value, names, array_api_compat.device(query), None)  # type: ignore[arg-type]

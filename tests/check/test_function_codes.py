@@ -111,6 +111,18 @@ def two_slips_with_an_empty_row(Q: Any, K: Any, V: Any) -> Any:
 # multi-head (X, W_q, W_k, W_v, W_o, num_heads), row vectors --------------------------------
 
 
+def softmax_over_batch(Q: Any, K: Any, V: Any) -> Any:
+    """Written for (B, H, L, d) tensors: the softmax over dim 0, the batch, not the keys."""
+    s = Q @ K.transpose(2, 3) / math.sqrt(Q.shape[3])
+    return torch.softmax(s, dim=0) @ V
+
+
+def causal_softmax_over_batch(Q: Any, K: Any, V: Any) -> Any:
+    s = Q @ K.transpose(2, 3) / math.sqrt(Q.shape[3])
+    future = torch.ones(s.shape[-2:], dtype=torch.bool).triu(1)
+    return torch.softmax(s.masked_fill(future, float("-inf")), dim=0) @ V
+
+
 def heads(x: Any, h: int) -> Any:
     """(L, h·d) -> (h, L, d)"""
     length, width = x.shape
@@ -234,6 +246,8 @@ NEW_SLIPS = [
     ("attention", mask_after_softmax, "mask-after-softmax", None),
     ("attention", dropout_left_on, "dropout-at-inference", "Two calls gave row"),
     ("attention", numpy_dropout, "dropout-at-inference", None),
+    ("attention", softmax_over_batch, "softmax-over-batch", None),
+    ("causal", causal_softmax_over_batch, "softmax-over-batch", None),
     ("multi-head", mh_scaled_by_num_heads, "scaled-by-num-heads", None),
     ("multi-head", mh_scaled_by_dim, "scaled-by-ndim", None),
     ("multi-head", mh_split_without_transpose, "heads-split-without-transpose", None),
@@ -291,7 +305,7 @@ CORRECT = [
 ]
 
 
-@pytest.mark.parametrize(("kind", "fn"), CORRECT, ids=["gqa", "attention"])
+@pytest.mark.parametrize(("kind", "fn"), CORRECT, ids=[kind for kind, _ in CORRECT])
 def test_a_correct_function_makes_none_of_the_new_slips(kind: str, fn: Fn) -> None:
     report = check_attention(fn, kind=kind)
     assert report.ok and report.findings == ()

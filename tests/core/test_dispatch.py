@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import qkv
 from qkv import masks
-from qkv.attention import _backends
+from qkv.attention import _backend
 from tests.support.backends import accepts, backend_names
 from tests.support.strategies import Case, cases
 
@@ -181,7 +181,7 @@ def test_heads_and_self_attention_take_a_backend() -> None:
 
 
 def test_a_long_trace_records_the_selected_rows_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_backends, "available_memory", lambda like: 200_000)
+    monkeypatch.setattr(_backend, "available_memory", lambda like: 200_000)
     rng = np.random.default_rng(3)
     q, k, v = (torch.from_numpy(rng.normal(size=(1, 2, 64, 4))) for _ in range(3))
     full = qkv.attention.reference_attention(q, k, v, is_causal=True, return_weights=True)
@@ -212,7 +212,7 @@ def test_a_trace_with_chosen_rows_matches_the_full_trace() -> None:
 
 
 def test_weights_that_would_not_fit_fail_with_a_hint(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_backends, "available_memory", lambda like: 10_000)
+    monkeypatch.setattr(_backend, "available_memory", lambda like: 10_000)
     q = torch.ones(1, 2, 64, 4)
     with pytest.raises(MemoryError, match=r"return_weights=True: the weights would form"):
         qkv.scaled_dot_product_attention(q, q, q, return_weights=True)

@@ -70,7 +70,7 @@ class Spec:
     def signature(self) -> PlanKey | None:
         q, k, v = self.tensors()
         with torch.set_grad_enabled(self.grad_mode):
-            return plain_signature(q, k, v, self.arguments(), open_blocks=False)
+            return plain_signature(q, k, v, self.arguments())
 
     def run(self, seed: int) -> torch.Tensor:
         q, k, v = self.tensors(seed)

@@ -1,6 +1,9 @@
-"""The backend registry is the one list (issue 27 §4): a backend added to
-``qkv.attention.BACKENDS`` is accepted by name, listed in every report, tried by auto in the
-registry's order and run by the tests' parametrisations, with no other edit."""
+"""Every extension point is one registry, and every list in tests and docs comes from it
+(issue 27 §4, issue 36 §2): a backend added to ``qkv.attention.BACKENDS`` is accepted by
+name, listed in every report, tried by auto in the registry's order and run by the tests'
+parametrisations, with no other edit; the mask rules (``RULES``), the edits (``EDITS``),
+the slip codes (each declaring the part of the mechanism it costs) and the grading kinds
+(``KINDS``) have their cases, tables and lists derived or checked here."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import importlib
 import inspect
 import random
 import re
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -19,9 +23,20 @@ import torch
 import qkv
 from qkv import masks
 from qkv.attention import BACKENDS
-from qkv.attention._backends import Backend, Call, four, three
-from qkv.attention._dispatch import _fast_order
+from qkv.attention._backend import Backend, four, three
+from qkv.attention._options import Call
+from qkv.attention._plans import fast_order
+from qkv.check._findings import DIAGNOSED, Diagnosis
+from qkv.check._flash_codes import FLASH_CODES, PLAIN_IN_FLASH
+from qkv.check._function_codes import CODES
+from qkv.check._probes import KINDS as CHECK_KINDS
+from qkv.cli import _grade
+from qkv.cli import main as cli
 from qkv.edits import EDITS
+from qkv.grade import KINDS, PARTS, Settings
+from qkv.grade._kinds import grade_one
+from qkv.grade._parts import CODE_PARTS, FLASH_PARTS, part_of
+from qkv.grade._submissions import Submission
 from tests.support import flex_cases
 from tests.support.backends import backend_names
 from tests.support.edit_cases import CASES
@@ -137,12 +152,12 @@ def test_auto_order_is_the_registry_order_with_first_backends_moved_ahead() -> N
     q = torch.ones(1, 2, 8, 4)
     call = qkv.attention._dispatch.make_call(q, q, q, mask=masks.causal())
     fast = [name for name, b in BACKENDS.items() if b.fast]
-    assert list(_fast_order(call)) == fast  # on CPU nothing asks to go first
+    assert list(fast_order(call)) == fast  # on CPU nothing asks to go first
     first = replace(BACKENDS["tiled"], first=lambda call: True)
     saved = BACKENDS["tiled"]
     BACKENDS["tiled"] = first
     try:
-        assert _fast_order(call)[0] == "tiled"
+        assert fast_order(call)[0] == "tiled"
     finally:
         BACKENDS["tiled"] = saved
 
@@ -227,16 +242,25 @@ def test_each_edit_applies_itself() -> None:
 _ROOT = Path(__file__).parents[2]
 
 
-def _table(page: str, header: str) -> list[list[str]]:
-    """The rows (cells) of the table of ``docs/page`` whose header starts with ``header``."""
+def _tables(page: str, header: str) -> list[list[list[str]]]:
+    """The rows (cells) of each table of ``docs/page`` whose header starts with ``header``."""
     lines = (_ROOT / "docs" / page).read_text(encoding="utf-8").splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(header))
-    rows = []
-    for line in lines[start + 2 :]:
-        if not line.startswith("|"):
-            break
-        rows.append([cell.strip() for cell in line.strip("|").split("|")])
-    return rows
+    tables = []
+    for start in (i for i, line in enumerate(lines) if line.startswith(header)):
+        rows = []
+        for line in lines[start + 2 :]:
+            if not line.startswith("|"):
+                break
+            cells = re.split(r"(?<!\\)\|", line.strip().removeprefix("|").removesuffix("|"))
+            rows.append([cell.strip() for cell in cells])  # a \| is within its cell
+        tables.append(rows)
+    return tables
+
+
+def _table(page: str, header: str) -> list[list[str]]:
+    """The rows (cells) of the first table of ``docs/page`` whose header starts with
+    ``header``."""
+    return _tables(page, header)[0]
 
 
 def _named(cell: str) -> str:
@@ -267,34 +291,54 @@ def test_the_interventions_page_lists_every_kind_of_edit() -> None:
 
 
 def _registries() -> dict[str, set[str]]:
-    return {"BACKENDS": set(BACKENDS), "RULES": set(masks.RULES), "EDITS": set(EDITS)}
+    """The registries whose lists the guard reads (``qkv check``'s kinds are ``qkv grade``'s
+    code kinds; slip codes are named a few at a time by design, and their tables are checked
+    whole below)."""
+    return {
+        "BACKENDS": set(BACKENDS),
+        "RULES": set(masks.RULES),
+        "EDITS": set(EDITS),
+        "KINDS": set(KINDS),
+        "CHECK_KINDS": {*CHECK_KINDS, "flash"},
+    }
+
+
+def _partial(listed: set[object], names: set[str]) -> bool:
+    """Whether ``listed`` names part of the registry ``names``: two or more of its entries,
+    not all, and not exactly the entries of another registry (the kinds of ``qkv check``
+    are a part of ``qkv grade``'s, and listed whole)."""
+    whole = any(listed == other for other in _registries().values())
+    return len(listed) >= 2 and listed <= names and listed != names and not whole
 
 
 def _partial_runs(text: str) -> Iterator[tuple[str, list[str]]]:
     """Lists of a registry's names in a page that name two or more entries but not all:
-    the first column of a table, the alternatives of a value (``"a" | "b"``) and a Python
-    list (``['a', 'b']``). Prose about some backends (`sdpa` and `tiled` take ...) is no
-    list."""
+    the first column of a table, the alternatives of a value (``"a" | "b"``, or
+    ``--kind a\\|b`` in a table's cell) and a Python list (``['a', 'b']``). Prose about some
+    backends (`sdpa` and `tiled` take ...) is no list."""
     for registry, names in _registries().items():
         quoted = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
         item = rf"[`\"']({quoted})[`\"']"
         lists = (
-            rf"{item}(?:\s*\|\s*{item})+",  # "a" | "b"
-            rf"\[{item}(?:,\s*{item})+\]",  # ['a', 'b']
-        )
-        for pattern in lists:
+            (rf"{item}(?:\s*\|\s*{item})+", item),  # "a" | "b"
+            (rf"\[{item}(?:,\s*{item})+\]", item),  # ['a', 'b']
+            (rf"(?<![\w|\\-])(?:{quoted})(?:\\?\|(?:{quoted}))+(?![\w-]|\\?\|\w)", r"\\?\|"),
+        )  # the last: a\|b, bare names in a table's cell
+        for pattern, each in lists:
             for found in re.finditer(pattern, text):
-                listed = re.findall(item, found.group(0))
-                if set(listed) != names:
+                run = found.group(0)
+                listed = re.findall(each, run) if each == item else re.split(each, run)
+                if _partial(set(listed), names):
                     yield registry, listed
         column = re.findall(rf"^\| {item}", text, flags=re.MULTILINE)
-        if len(set(column)) >= 2 and set(column) != names:
+        if _partial(set(column), names):
             yield registry, column
 
 
 HAND_WRITTEN_SUBSETS = {
     "tests/core/test_registry.py": "the guards' own examples",
     "tests/nn/test_compile.py": "the layout test of the backends that have an in_graph form",
+    "tests/check/test_function_probes.py": "the probe of known score order, of single heads",
 }
 """Files whose lists may name part of a registry, each with why."""
 
@@ -318,7 +362,7 @@ def test_no_hand_written_list_in_docs_or_tests_names_part_of_a_registry() -> Non
             if len(values) != len(node.elts):
                 continue
             for registry, names in _registries().items():
-                if set(values) <= names and len(set(values)) >= 2 and set(values) != names:
+                if _partial(set(values), names):
                     found.append(f"{where}:{node.lineno}: {values} of {registry}")
     assert not found, "hand-written lists naming part of a registry: " + "; ".join(found)
 
@@ -328,6 +372,11 @@ def test_the_guard_sees_a_partial_list() -> None:
         ("BACKENDS", ["reference", "sdpa"])
     ]
     assert not list(_partial_runs("`sdpa` alone"))
+    assert list(_partial_runs("| `--kind attention\\|causal\\|example` | what it holds |")) == [
+        ("KINDS", ["attention", "causal", "example"])
+    ]
+    every = "|".join(KINDS)
+    assert not list(_partial_runs(f"`--kind {every}`, and `qkv check --kind` the same"))
 
 
 # -- a backend's facts are its fields: no code compares its name -------------------------
@@ -391,3 +440,100 @@ def test_no_code_compares_a_backend_name() -> None:
 def test_the_guard_sees_a_comparison() -> None:
     tree = ast.parse('if chosen == "sdpa" or BACKENDS["reference"].fast or "tiled" in top: pass')
     assert [name for _, name in _compared_names(tree)] == ["sdpa", "reference"]
+
+
+# -- slip codes: each declares the part it costs where it is declared ---------------------
+
+_DECLARED: dict[str, tuple[Diagnosis, ...]] = {
+    "DIAGNOSED": DIAGNOSED,
+    "CODES": CODES,
+    "FLASH_CODES": FLASH_CODES,
+}
+"""Where codes are declared: a worked example's (``qkv check FILE``), attention code's
+(``--function``, ``--module``) and FlashAttention code's (``--kind flash``)."""
+
+NO_STEP = {"digit-slip", "arithmetic", "rounding", "unrecognised"}
+"""The codes that name no step: they cost the part of the step (or probe) they were found
+at, so they declare none."""
+
+
+def test_every_slip_code_declares_a_part_of_the_rubric() -> None:
+    wrong = [
+        f"{where}: {c.code} costs {c.part!r}"
+        for where, declared in _DECLARED.items()
+        for c in declared
+        if (c.part is None) != (c.code in NO_STEP) or (c.part is not None and c.part not in PARTS)
+    ]
+    assert not wrong, f"declare a part of {PARTS}: " + "; ".join(wrong)
+    assert {c.part for c in FLASH_CODES} <= set(FLASH_PARTS)
+    # the plain codes a FlashAttention kernel makes: a flash part, or the probe's (None)
+    assert set(PLAIN_IN_FLASH) <= {c.code for c in CODES}
+    assert set(PLAIN_IN_FLASH.values()) <= {*FLASH_PARTS, None}
+
+
+def test_a_code_declared_in_two_places_costs_one_part() -> None:
+    """``unscaled`` is a worked example's code and attention code's: one part."""
+    parts: dict[str, set[str | None]] = defaultdict(set)
+    for declared in _DECLARED.values():
+        for c in declared:
+            parts[c.code].add(c.part)
+    assert {code: found for code, found in parts.items() if len(found) > 1} == {}
+
+
+def test_grading_credits_each_code_to_the_part_it_declares() -> None:
+    for declared in _DECLARED.values():
+        for c in declared:
+            if c.part is not None:
+                assert part_of(c.code, "context") == c.part == CODE_PARTS[c.code]
+    assert part_of("arithmetic", "scores") == "scores"  # a code of no step: its step's
+
+
+def _codes_tables() -> tuple[list[list[str]], list[list[str]]]:
+    """docs/check-function.md's tables of codes: attention code's, FlashAttention's."""
+    function, flash = _tables("check-function.md", "| code | part | the slip |")
+    return function, flash
+
+
+def test_the_codes_tables_list_every_code_with_its_part() -> None:
+    function, flash = _codes_tables()
+    for rows, declared in ((function, CODES), (flash, FLASH_CODES)):
+        assert sorted(_named(row[0]) for row in rows) == sorted(c.code for c in declared)
+        part = {c.code: c.part for c in declared}
+        for row in rows:
+            code = _named(row[0])
+            if part[code] is not None:
+                assert row[1].startswith(f"`{part[code]}`"), row
+            else:
+                assert row[1] == "every part (above)", row
+
+
+# -- grading kinds: KINDS is the one list of --kind -----------------------------------------
+
+
+def test_every_grading_kind_is_offered_and_documented(capsys: pytest.CaptureFixture[str]) -> None:
+    """``qkv grade --kind`` accepts each kind (its list is a copy, kept for a fast start),
+    its help says what a submission of each holds, and docs/grading.md's option row names
+    them all."""
+    assert tuple(KINDS) == _grade._KINDS
+    assert cli(["grade", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    for name in KINDS:
+        assert f" {name}: " in help_text, name
+    [row] = [r for r in _table("grading.md", "| option | what it does |") if "--kind" in r[0]]
+    assert row[0] == "`--kind " + "\\|".join(KINDS) + "`"
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_every_grading_kind_grades_on_parts_of_the_rubric(name: str) -> None:
+    """A kind's parts are parts of the rubric, and a hand-in it cannot read is a grade:
+    ``error`` on each of them, 0 points, with the reason."""
+    kind = KINDS[name]
+    assert kind.name == name and kind.summary
+    settings = Settings(kind=name)
+    parts = kind.parts(settings)
+    assert parts and set(parts) <= set(PARTS), parts
+    broken = Submission("ada", "ada.zip", "problem", problem="ada.zip: not a zip file")
+    grade = grade_one(broken, settings)
+    assert (grade.status, grade.kind, grade.score) == ("error", name, 0.0)
+    assert [p.part for p in grade.parts] == list(parts)
+    assert all(p.why == "ada.zip: not a zip file" for p in grade.parts)

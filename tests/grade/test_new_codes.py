@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import csv
 import inspect
+import json
 from pathlib import Path
 
 import pytest
 
 from qkv.check import FUNCTION_DIAGNOSES
 from qkv.cli import main
-from qkv.grade._parts import CODE_PARTS, PARTS
+from qkv.grade._parts import CODE_PARTS, PART_TITLES, PARTS
 from tests.check import test_function_codes as codes
 
 _HEADER = """\
@@ -52,7 +53,7 @@ def test_every_code_of_qkv_check_names_a_part_of_the_rubric() -> None:
     assert set(CODE_PARTS.values()) <= set(PARTS)
 
 
-_EXPECTED_PART = {
+_EXPECTED_PART = {  # read apart from the codes' declarations; the class test reads those
     "scaled-by-ndim": "scaling",
     "scaled-by-num-heads": "scaling",
     "causal-off-by-one": "mask",
@@ -99,16 +100,19 @@ def test_a_class_with_every_new_slip_is_graded_slip_by_slip(tmp_path: Path) -> N
                 continue
             found[student] = first
             assert status == "slip" and slips.split(";")[0] == first, (student, table[student])
-            # the slip costs exactly the points of its part (one point each by default)
+            # the slip costs exactly the points of its part (one point each by default),
+            # the part its code declares
             assert float(max_score) - float(score) == 1.0, (student, table[student])
+            graded = json.loads((tmp_path / f"{kind}-out" / f"{student}.json").read_text())
+            lost = [t["name"] for t in graded["tests"] if t["status"] == "failed"]
+            assert lost == [PART_TITLES[CODE_PARTS[first]]], (student, lost)
     expected = {
         fn.__name__: code
         for _, fn, code, _ in codes.NEW_SLIPS
         if fn is not codes.scaled_by_ndim_4d_only and fn is not codes.mask_after_softmax
     }
     assert found == expected
-    assert {CODE_PARTS[c] for c in expected.values()} <= set(_EXPECTED_PART.values())
-    assert all(CODE_PARTS[c] == _EXPECTED_PART[c] for c in expected.values())
+    assert all(CODE_PARTS[c] == part for c, part in _EXPECTED_PART.items())
 
 
 _MODULE_RIGHT = """\

@@ -17,7 +17,7 @@ import torch
 
 import qkv
 from qkv import masks
-from qkv.attention import _backends
+from qkv.attention import _options
 from qkv.kernels import _sdpa_choice
 from qkv.kernels._api import closes_over_learnable
 from qkv.kernels._sdpa_choice import sdpa_kernel_choice
@@ -86,7 +86,7 @@ def on_cuda(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Declare every call to be on CUDA; torch's SDPA checks: flash refuses float32 (as on a
     GPU), memory-efficient accepts. Returns the log of the checks asked."""
     asked: list[str] = []
-    monkeypatch.setattr(_backends, "on_cuda", lambda call: True)
+    monkeypatch.setattr(_options, "is_cuda", lambda device: True)
     cuda = torch.backends.cuda
 
     def flash(params: Any, debug: bool = False) -> bool:

@@ -21,7 +21,7 @@ import torch
 
 import qkv
 from qkv import masks
-from qkv.attention import _backends
+from qkv.attention import _options
 from qkv.kernels import _flex_masks
 from qkv.kernels._flex import block_mask_rule
 from qkv.kernels._flex_masks import (
@@ -172,7 +172,7 @@ def test_a_model_step_after_the_first_builds_no_block_mask(
     cache = BlockMaskCache()
     monkeypatch.setattr(_flex_masks, "BLOCK_MASKS", cache)
     monkeypatch.setattr(_flex_masks, "run_flex", _eager_flex)
-    monkeypatch.setattr(_backends, "on_cuda", lambda call: True)
+    monkeypatch.setattr(_options, "is_cuda", lambda device: True)
     q, k, v = inputs(L, L, dtype=torch.float64)
     for _ in range(3):
         padding = masks.key_padding([250, 300])
@@ -299,7 +299,7 @@ def _eager_flex(
 def flex_as_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """The flex backend as it runs on CUDA (sinks, bias), with eager flex for the kernel."""
     monkeypatch.setattr(_flex_masks, "run_flex", _eager_flex)
-    monkeypatch.setattr(_backends, "on_cuda", lambda call: True)
+    monkeypatch.setattr(_options, "is_cuda", lambda device: True)
 
 
 @pytest.mark.usefixtures("flex_as_on_cuda")

@@ -293,7 +293,7 @@ def test_long_alibi_runs_block_by_block_with_the_same_numbers(
     x = torch.randn(1, 9, 16, dtype=torch.float64, requires_grad=True)
     dense = attn(x, is_causal=True)
     (grad_dense,) = torch.autograd.grad(dense.square().sum(), x)
-    monkeypatch.setattr(qkv.attention._backends, "DENSE_MASK_LIMIT", 10)  # as if it were long
+    monkeypatch.setattr(qkv.attention._options, "DENSE_MASK_LIMIT", 10)  # as if it were long
     seen = []
     real = qkv.scaled_dot_product_attention
 

@@ -6,16 +6,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from qkv._array import (
+    FLOAT_DTYPES,
     Array,
     DtypeMismatchError,
+    Inputs,
     as_array,
     check_scale,
     dtype_name,
     is_bool,
     is_floating,
     library,
-    namespace,
-    namespace_of,
     same_place,
     shape_str,
 )
@@ -23,102 +23,102 @@ from qkv.masks import Mask, check_alignment
 
 
 def check_floating(x: Array, name: str) -> None:
-    if not is_floating(x):
+    _floating(dtype_name(x), name)
+
+
+def _floating(dtype: str, name: str) -> None:
+    if dtype not in FLOAT_DTYPES:
         raise TypeError(
-            f"{name} must have a floating-point dtype, got {dtype_name(x)}. "
+            f"{name} must have a floating-point dtype, got {dtype}. "
             f"Hint: convert it, e.g. {name}.astype(float) or {name}.float()."
         )
 
 
 def check_ndim(x: Array, name: str, *, at_least: int, layout: str) -> None:
-    if x.ndim < at_least:
+    _ndim(tuple(x.shape), name, at_least=at_least, layout=layout)
+
+
+def _ndim(shape: Sequence[int], name: str, *, at_least: int, layout: str) -> None:
+    if len(shape) < at_least:
         raise ValueError(
             f"{name} must have at least {at_least} dimensions {layout}; got shape "
-            f"{shape_str(x.shape)}. Hint: a single vector v is v[None, :] (one row)."
+            f"{shape_str(shape)}. Hint: a single vector v is v[None, :] (one row)."
         )
 
 
 def check_same_dtype(arrays: Sequence[tuple[str, Array]]) -> None:
-    first_name, first = arrays[0]
-    for name, a in arrays[1:]:
-        if a.dtype != first.dtype and dtype_name(a) != dtype_name(first):
+    _same_dtype([(name, dtype_name(a)) for name, a in arrays])
+
+
+def _same_dtype(dtypes: Sequence[tuple[str, str]]) -> None:
+    first_name, first = dtypes[0]
+    for name, dtype in dtypes[1:]:
+        if dtype != first:
             raise DtypeMismatchError(
-                f"{first_name} is {dtype_name(first)} but {name} is {dtype_name(a)}: query, key "
-                "and value must share one dtype. Hint: cast them to one dtype first."
+                f"{first_name} is {first} but {name} is {dtype}: query, key and value must "
+                "share one dtype. Hint: cast them to one dtype first."
             )
 
 
-def qkv_arrays(
-    query: Any, key: Any, value: Any, *, enable_gqa: bool
-) -> tuple[str, Any, Array, Array, Array]:
-    """(library, xp, query, key, value): the inputs as arrays of one library (named as
-    :func:`qkv._array.library` names it) and its namespace, their shapes checked. The one
-    place a call's library is looked up."""
-    kind = library(query)
-    if kind == "other" or library(key) != kind or library(value) != kind:
-        query, key, value = (
-            as_array(a, n) for a, n in ((query, "query"), (key, "key"), (value, "value"))
-        )
-        kind = library(query)
-        same_place("query", query, kind, "key", key)
-        same_place("query", query, kind, "value", value)
-    elif kind == "torch" and not (key.device == query.device == value.device):
-        same_place("query", query, kind, "key", key)
-        same_place("query", query, kind, "value", value)
-    xp = namespace([("query", query)]) if kind == "other" else namespace_of(kind)
-    check_qkv(query, key, value, enable_gqa=enable_gqa)
-    return kind, xp, query, key, value
+def check_qkv(found: Inputs, *, enable_gqa: bool) -> None:
+    """Shapes and dtypes of query (..., Hq, Lq, D), key (..., Hkv, Lk, D), value
+    (..., Hkv, Lk, Dv), from the one look at them (:func:`qkv._array.inputs`)."""
+    named = (("query", found.query), ("key", found.key), ("value", found.value))
+    shapes = [tuple(x.shape) for _, x in named]
+    for (name, _), shape, dtype in zip(named, shapes, found.dtypes, strict=True):
+        _floating(dtype, name)
+        _ndim(shape, name, at_least=2, layout="(..., L, D)")
+    _same_dtype([(name, dtype) for (name, _), dtype in zip(named, found.dtypes, strict=True)])
+    check_shapes(*shapes, enable_gqa=enable_gqa)
 
 
-def check_qkv(query: Array, key: Array, value: Array, *, enable_gqa: bool) -> None:
-    """Shapes of query (..., Hq, Lq, D), key (..., Hkv, Lk, D), value (..., Hkv, Lk, Dv)."""
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        check_floating(x, name)
-        check_ndim(x, name, at_least=2, layout="(..., L, D)")
-    check_same_dtype([("query", query), ("key", key), ("value", value)])
-    for name, x in (("key", key), ("value", value)):
-        if x.ndim != query.ndim:
+def check_shapes(
+    query: tuple[int, ...], key: tuple[int, ...], value: tuple[int, ...], *, enable_gqa: bool
+) -> None:
+    """The shapes of query, key and value fit one another."""
+    for name, shape in (("key", key), ("value", value)):
+        if len(shape) != len(query):
             raise ValueError(
-                f"{name} must have as many dimensions as query ({query.ndim}); got {name} "
-                f"{shape_str(x.shape)} and query {shape_str(query.shape)}. "
+                f"{name} must have as many dimensions as query ({len(query)}); got {name} "
+                f"{shape_str(shape)} and query {shape_str(query)}. "
                 "Hint: the layout is (B, H, L, D) for all three, or (L, D) for one head."
             )
-    if query.shape[-1] != key.shape[-1]:
+    if query[-1] != key[-1]:
         raise ValueError(
             f"query and key must have the same last dimension d_k: query "
-            f"{shape_str(query.shape)} has d_k = {query.shape[-1]}, key {shape_str(key.shape)} "
-            f"has {key.shape[-1]}. Hint: each score is a dot product q·k of equal-length vectors."
+            f"{shape_str(query)} has d_k = {query[-1]}, key {shape_str(key)} "
+            f"has {key[-1]}. Hint: each score is a dot product q·k of equal-length vectors."
         )
-    if query.shape[-1] == 0:
+    if query[-1] == 0:
         raise ValueError(
-            f"d_k = 0: query {shape_str(query.shape)} has no features, so there is nothing to "
+            f"d_k = 0: query {shape_str(query)} has no features, so there is nothing to "
             "compare. Hint: the last dimension of query and key is d_k and must be ≥ 1."
         )
-    if key.shape[-2] != value.shape[-2]:
+    if key[-2] != value[-2]:
         raise ValueError(
             f"key and value must have the same length Lk (one value per key): key "
-            f"{shape_str(key.shape)} has Lk = {key.shape[-2]}, value {shape_str(value.shape)} "
-            f"has {value.shape[-2]}."
+            f"{shape_str(key)} has Lk = {key[-2]}, value {shape_str(value)} "
+            f"has {value[-2]}."
         )
-    for name, x, what in (("query", query, "Lq"), ("key", key, "Lk")):
-        if x.shape[-2] == 0:
+    for name, shape, what in (("query", query, "Lq"), ("key", key, "Lk")):
+        if shape[-2] == 0:
             raise ValueError(
-                f"{name} is an empty sequence ({what} = 0, shape {shape_str(x.shape)}). "
+                f"{name} is an empty sequence ({what} = 0, shape {shape_str(shape)}). "
                 "Hint: attention needs at least one query and one key (torch returns an "
                 "empty or zero result here; qkv takes an empty sequence for a mistake upstream, "
                 "such as an empty tokenization)."
             )
-    if key.shape[:-2] != value.shape[:-2]:
+    if key[:-2] != value[:-2]:
         raise ValueError(
             f"key and value must share their batch and head dimensions: key "
-            f"{shape_str(key.shape)}, value {shape_str(value.shape)}."
+            f"{shape_str(key)}, value {shape_str(value)}."
         )
-    if query.ndim >= 4 or (query.ndim == 3 and enable_gqa):
-        check_heads(query.shape, key.shape, enable_gqa=enable_gqa)
-    elif query.shape[:-2] != key.shape[:-2]:
+    if len(query) >= 4 or (len(query) == 3 and enable_gqa):
+        check_heads(query, key, enable_gqa=enable_gqa)
+    elif query[:-2] != key[:-2]:
         raise ValueError(
             f"query and key must have the same batch dimensions: query "
-            f"{shape_str(query.shape)}, key {shape_str(key.shape)}. Hint: for 3-D inputs the "
+            f"{shape_str(query)}, key {shape_str(key)}. Hint: for 3-D inputs the "
             "first axis is the batch; for heads use (B, H, L, D), or enable_gqa=True."
         )
 
@@ -160,10 +160,10 @@ def check_broadcast(x: Array, name: str, target: Sequence[int], legend: str, hin
 
 
 def check_mask(
-    mask: Array | Mask | None, query: Array, kind: str, scores_shape: Sequence[int]
+    mask: Array | Mask | None, kind: str, device: Any, scores_shape: Sequence[int]
 ) -> None:
-    """``mask``: None, a Mask rule, or booleans of the query's library ``kind`` and device
-    that broadcast to ``scores_shape``."""
+    """``mask``: None, a Mask rule, or booleans of the query's library ``kind`` and
+    ``device`` that broadcast to ``scores_shape``."""
     if mask is None or isinstance(mask, Mask):
         return
     if library(mask) == "other":
@@ -171,7 +171,7 @@ def check_mask(
             f"mask must be a boolean array or a qkv.masks.Mask, got {type(mask).__name__}. "
             "Hint: build one with qkv.masks.causal(), key_padding(lengths), ..."
         )
-    same_place("query", query, kind, "mask", mask)
+    same_place("query", kind, device, "mask", mask)
     if not is_bool(mask):
         raise TypeError(
             f"mask must be boolean (True = may attend), got {dtype_name(mask)}. Hint: an "
@@ -187,12 +187,12 @@ def check_mask(
     )
 
 
-def check_bias(bias: Array | None, query: Array, kind: str, scores_shape: Sequence[int]) -> None:
-    """``bias``: None, or floats of the query's library and device that broadcast to
-    ``scores_shape``."""
+def check_bias(bias: Array | None, kind: str, device: Any, scores_shape: Sequence[int]) -> None:
+    """``bias``: None, or floats of the query's library ``kind`` and ``device`` that
+    broadcast to ``scores_shape``."""
     if bias is None:
         return
-    same_place("query", query, kind, "bias", bias)
+    same_place("query", kind, device, "bias", bias)
     check_floating(bias, "bias")
     check_broadcast(
         bias,
@@ -203,11 +203,12 @@ def check_bias(bias: Array | None, query: Array, kind: str, scores_shape: Sequen
     )
 
 
-def check_sinks(sinks: Any, query: Array, kind: str, heads: int) -> Array:
-    """``sinks``: per-head sink logits of shape (H,), floating, of the query's library and
-    device; returned as an array. Their values are checked by :func:`check_sink_values`."""
+def check_sinks(sinks: Any, kind: str, device: Any, heads: int) -> Array:
+    """``sinks``: per-head sink logits of shape (H,), floating, of the query's library
+    ``kind`` and ``device``; returned as an array. Their values are checked by
+    :func:`check_sink_values`."""
     sinks = as_array(sinks, "sinks")
-    same_place("query", query, kind, "sinks", sinks)
+    same_place("query", kind, device, "sinks", sinks)
     if not is_floating(sinks):
         raise TypeError(
             f"sinks must have a floating-point dtype, got {dtype_name(sinks)}. Hint: one "

@@ -6,7 +6,7 @@ While ``torch.compile`` traces a call (``fullgraph=True`` included), the dispatc
 from shapes, dtypes and options alone, and reads no value:
 
 - a qkv mask rule becomes a boolean tensor of the rule's own broadcast shape ((B, 1, 1, Lk)
-  for key padding), an additive score modifier (ALiBi) a bias (``positional_bias``);
+  for key padding), an additive score modifier (ALiBi) a bias (``make_call``);
   causality stays a flag;
 - when torch's fused SDPA can run the call (:func:`~qkv.attention._backends.sdpa_static_refusal`),
   it runs in the graph. With a mask or a bias, its output is the *candidate* of the tiled
@@ -34,12 +34,13 @@ from typing import Any
 import torch
 
 from qkv._array import Array
-from qkv.attention._backends import BACKENDS, four, refusal_error, three
+from qkv.attention._backend import four, refusal_error, three
+from qkv.attention._backends import BACKENDS
 from qkv.attention._options import Call
 from qkv.kernels import _tiled_ops  # noqa: F401  (its operators exist before a graph is traced)
 from qkv.masks import Mask
 
-__all__ = ["outside_graph", "run_compiled", "run_eagerly"]
+__all__ = ["outside_graph", "run_compiled", "run_eagerly", "run_in_graph"]
 
 
 def _run_eagerly(function: Any, *args: Any, **kwargs: Any) -> Any:
@@ -69,6 +70,19 @@ outside_graph: Callable[[Any, Call, str], Any] = torch.compiler.disable(  # type
 graph read as a number (a graph break, as :data:`run_eagerly`)."""
 
 
+def run_in_graph(
+    call: Call, backend: str, eager: Callable[[Call, str], tuple[Array, Array | None]]
+) -> tuple[Array, Array | None]:
+    """Run ``call`` while torch.compile traces it: in the graph where a backend's
+    ``in_graph`` form takes it (:func:`run_compiled`), else ``eager(call, backend)`` outside
+    the graph (a trace is recorded there too)."""
+    if call.recorder.trace is None:
+        result = run_compiled(call, backend)
+        if result is not None:
+            return result
+    return outside_graph(eager, call, backend)  # type: ignore[no-any-return]
+
+
 def run_compiled(call: Call, backend: str) -> tuple[Array, Array | None] | None:
     """Run ``call`` (torch tensors, no trace) while torch.compile traces it; returns
     (context, None) in the call's layout, or None when the call must run outside the graph
@@ -96,7 +110,7 @@ def run_compiled(call: Call, backend: str) -> tuple[Array, Array | None] | None:
 
 def _static(call: Call) -> Call:
     """The call with a mask rule as a boolean tensor; a score modifier left here is not
-    additive (ALiBi became a bias in ``positional_bias``) and cannot enter the graph."""
+    additive (ALiBi became a bias in ``make_call``) and cannot enter the graph."""
     options = call.options
     modifier = options.score_mod
     if modifier is not None:

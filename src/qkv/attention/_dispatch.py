@@ -14,29 +14,37 @@ from __future__ import annotations
 
 import textwrap
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
-from qkv._array import Array, compiling, device, like_layout
-from qkv.attention import _backends
-from qkv.attention._backends import BACKENDS, BackendName
+from qkv._array import Array
+from qkv.attention._backend import BackendName, half_name
+from qkv.attention._backends import BACKENDS, name_width, stepwise
 from qkv.attention._long_trace import record_partial
-from qkv.attention._options import Call, Recorder, make_call
-from qkv.attention._plans import PLANS, plain_signature
+from qkv.attention._options import Call, handed_back, make_call
+from qkv.attention._plans import (
+    PLANS,
+    Refusals,
+    auto_choice,
+    choose,
+    fast_order,
+    make_plan,
+    plain_signature,
+    run_call,
+)
 from qkv.masks import Alignment, Mask, ScoreMod
-from qkv.trace import Trace, blocks_open
+from qkv.trace import Trace
 
 __all__ = [
     "BACKENDS",
     "Dispatch",
-    "choose",
     "decide",
     "dispatch_of_trace",
     "explain_dispatch",
     "make_call",
-    "positional_bias",
     "run_call",
     "scaled_dot_product_attention",
+    "weight_rows",
 ]
 
 
@@ -65,7 +73,7 @@ class Dispatch:
     def __str__(self) -> str:
         """A short report that fits 80 columns."""
         lines = [f"backend: {self.backend} (asked: {self.requested})"]
-        width = max([_backends.name_width(), *(len(name) for name, _ in self.reasons)])
+        width = max([name_width(), *(len(name) for name, _ in self.reasons)])
         for name, why in self.reasons:
             mark = "→" if name == self.backend else " "
             lines += textwrap.wrap(
@@ -79,45 +87,15 @@ class Dispatch:
         return "\n".join(lines)
 
 
-# -- choosing ------------------------------------------------------------------------------
-
-
-class _Refusals(dict[str, str | None]):
-    """Each backend's refusal of a call, asked only when needed (auto looks no further than
-    its first choice)."""
-
-    def __init__(self, call: Call, auto: bool) -> None:
-        super().__init__()
-        self.call, self.auto = call, auto
-
-    def __missing__(self, name: str) -> str | None:
-        why = BACKENDS[name].refusal(self.call, self.auto)
-        self[name] = why
-        return why
-
-
-def choose(call: Call, requested: str) -> str:
-    """The backend that runs ``call``: the one requested (if it can), or auto's choice."""
-    if requested == "auto":
-        return _auto(call, _Refusals(call, auto=True))[0]
-    if requested not in BACKENDS:
-        raise ValueError(
-            f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {requested!r}. "
-            "Hint: 'auto' picks the fastest one that can run the call."
-        )
-    why = BACKENDS[requested].refusal(call, False)
-    if why is not None:
-        raise _backends.refusal_error(requested, why)
-    return requested
+# -- the report ----------------------------------------------------------------------------
 
 
 def decide(call: Call, requested: str) -> Dispatch:
-    """The backend for ``call``, as :func:`choose` picks it, with every backend's reason.
+    """The backend for ``call``, as the plan picks it, with every backend's reason.
 
     A requested backend that cannot run the call gives a Dispatch with backend ``"none"``
     and the reason in ``refusal`` (running the call raises ValueError).
     """
-    call = positional_bias(call)
     listed = tuple(BACKENDS)
     if requested != "auto" and requested in BACKENDS:
         refused = BACKENDS[requested].refusal(call, False)
@@ -140,8 +118,8 @@ def decide(call: Call, requested: str) -> Dispatch:
             why = BACKENDS[name].refusal(call, False)
             reasons[name] = "asked for" if name == chosen else _refused_or_not(why)
     else:
-        refusals = _Refusals(call, auto=True)
-        why_chosen = _auto(call, refusals)[1]
+        refusals = Refusals(call, auto=True)
+        why_chosen = auto_choice(call, refusals)[1]
         for name in listed:
             if name == chosen:
                 reasons[name] = why_chosen
@@ -165,47 +143,27 @@ def decide(call: Call, requested: str) -> Dispatch:
             "is_causal=True and mask= are combined: a key is attended only where both allow "
             "it (torch's SDPA raises instead)"
         )
-    half = _backends.half_name(call)
+    half = half_name(call)
     if half is not None and backend.half_in is not None:
         notes.append(f"{half}: computed in {backend.half_in} and the result rounded to {half}")
+    elif half is not None:
+        notes.append(f"{half}: {_wider()}")
     ordered = tuple((name, reasons[name]) for name in listed)
     return Dispatch(chosen, requested, ordered, tuple(notes), sdpa_kernel=own.kernel)
 
 
-def _auto(call: Call, refusals: dict[str, str | None]) -> tuple[str, str]:
-    steps = _backends.stepwise()  # the reference: it forms every step
-    if not call.torch:
-        return steps, "NumPy inputs: the reference runs them"
-    if call.return_weights:
-        if refusals[steps] is not None:
-            raise MemoryError(
-                f"return_weights=True: the weights {refusals[steps]}. Hint: record a "
-                "few heads and query rows instead with qkv.tracing(heads=..., queries=...)."
-            )
-        return steps, "the weights are asked for: only the reference forms them"
-    if call.trace is not None and refusals[steps] is None:
-        return steps, "a trace is recorded: the reference forms every step"
-    for name in _fast_order(call):
-        if refusals[name] is None:
-            return name, BACKENDS[name].why(call)
-    if refusals[steps] is None or BACKENDS[steps].refusal(call, False) is None:
-        return steps, "the fast backends refuse this call"
-    raise ValueError(
-        "no backend can run this call: "
-        + "; ".join(f"{n}: {refusals[n]}" for n in BACKENDS if refusals[n])
-    )
-
-
-def _fast_order(call: Call) -> tuple[str, ...]:
-    """The fast backends in the order auto tries them: the registry's order, with those
-    whose ``first(call)`` holds moved to the front (on CUDA, flex for a qkv mask rule or a
-    score modifier)."""
-    fast = [name for name, b in BACKENDS.items() if b.fast]
-    return tuple(sorted(fast, key=lambda name: not BACKENDS[name].first(call)))
+def _wider() -> str:
+    """The backends that compute half inputs in a wider dtype: "backend='…' or '…' compute
+    in float32"."""
+    kept = [(n, b.half_in) for n, b in BACKENDS.items() if b.half_in is not None]
+    names = [repr(n) for n, _ in kept]
+    listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+    dtypes = sorted({str(d) for _, d in kept})
+    return f"backend={listed} compute in {' or '.join(dtypes)}"
 
 
 def _passed_over(call: Call, name: str, chosen: str) -> str:
-    order = [_backends.stepwise(), *_fast_order(call)]
+    order = [stepwise(), *fast_order(call)]
     if BACKENDS[name].records_steps:
         return "but forms every (Lq, Lk) step"
     if name not in order or chosen not in order:
@@ -327,158 +285,16 @@ def scaled_dot_product_attention(
         "sinks": sinks,
         "return_weights": return_weights,
         "trace": trace,
-        "backend": backend,
     }
-    if getattr(query, "is_nested", False):
-        return _jagged(query, key, value, arguments)
-    if (trace is not None or blocks_open()) and compiling():
-        # A trace is recorded in Python, outside the graph (a graph break, said by name).
-        from qkv.attention._compiled import run_eagerly
-
-        return run_eagerly(scaled_dot_product_attention, query, key, value, **arguments)
-    signature = plain_signature(query, key, value, arguments, blocks_open())
-    plan = None if signature is None else PLANS.get(signature)
-    if plan is not None:  # checked and dispatched before: sdpa runs it (see _plans.py)
-        context = plan.clean_flash(query, key, value)
-        if context is None:
-            context, _ = BACKENDS[_backends.planned()].run(plan.call(query, key, value))
-        return like_layout(context, query)
-    backend = arguments.pop("backend")
-    call = make_call(query, key, value, **arguments)
-    if signature is not None and BACKENDS[choose(call, backend)].plans:
-        PLANS.keep(signature, call)
-    context, weights = run_call(call, backend)
-    context = like_layout(context, query)  # the query's memory layout, as torch's SDPA
+    signature = plain_signature(query, key, value, {**arguments, "backend": backend})
+    kept = None if signature is None else PLANS.get(signature)
+    if kept is not None:  # a plain call of a signature seen before
+        return kept.again(query, key, value)
+    call = make_call(query, key, value, **arguments)  # 1. check once
+    plan = make_plan(call, backend, signature=signature)  # 2. plan once (kept if plain)
+    context, weights = plan.run(call)  # 3. compute
+    context = handed_back(context, call.layout)
     return (context, weights) if return_weights else context
-
-
-def _jagged(query: Any, key: Any, value: Any, arguments: dict[str, Any]) -> Any:
-    """Nested jagged inputs (B, H, j, D): one call over the packed tokens (1, H, total, D)
-    with the document rule of their sequences (:mod:`qkv.attention._packed`), and the
-    result as a nested jagged tensor (B, H, j, Dv) with the query's offsets."""
-    import torch
-
-    from qkv.attention._packed import jagged_parts, packed_rule
-
-    for name in ("mask", "bias"):
-        if arguments[name] is not None:
-            raise ValueError(
-                f"scaled_dot_product_attention: {name}= is an (Lq, Lk) array, which nested "
-                "jagged inputs do not have. Hint: is_causal=True, a score_mod, or "
-                "qkv.varlen_attention(..., window_size=...) on the packed tokens."
-            )
-    if arguments["return_weights"]:
-        raise ValueError(
-            "scaled_dot_product_attention: return_weights=True with nested jagged inputs: the "
-            "weights of sequences of different lengths are no one tensor. Hint: run a "
-            "sequence alone, as a dense (H, L, D) tensor, to see its weights."
-        )
-    q, starts_q = jagged_parts(query, "query")  # (total_q, H, D)
-    k, starts_k = jagged_parts(key, "key")  # (total_k, Hkv, D)
-    v, starts_v = jagged_parts(value, "value")  # (total_k, Hkv, Dv)
-    if starts_k != starts_v or len(starts_q) != len(starts_k):
-        raise ValueError(
-            f"scaled_dot_product_attention: query, key and value must hold the same number "
-            f"of sequences (key and value the same lengths), got {len(starts_q) - 1}, "
-            f"{len(starts_k) - 1} and {len(starts_v) - 1}. Hint: one nested tensor per "
-            "sequence batch, as torch's SDPA takes them."
-        )
-    rule = packed_rule(
-        starts_q,
-        starts_k,
-        None,
-        0 if arguments["is_causal"] else None,
-        arguments["causal_alignment"],
-    )
-    packed = {**arguments, "mask": rule, "is_causal": False}
-    out = scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], **packed
-    )  # (1, H, total_q, Dv)
-    offsets = query.transpose(1, 2).offsets()
-    tokens = out[0].transpose(0, 1)  # (total_q, H, Dv)
-    return torch.nested.nested_tensor_from_jagged(tokens, offsets).transpose(1, 2)
-
-
-def run_call(
-    call: Call, backend: str = "auto", *, rows_only: bool = False
-) -> tuple[Array, Array | None]:
-    """Run a checked call on the backend chosen for it; returns (context, weights or None).
-
-    A fast backend computes the context; a trace then gets its (Lq, Lk) steps from the
-    reference, on the selected heads and query rows (:func:`record_partial`).
-
-    ``rows_only=True`` (a model's traced layer) makes ``"auto"`` prefer that split whenever
-    the trace selects fewer heads or query rows than the call has and no weights are asked
-    for: the fast backend that would run the call untraced computes the context, and the
-    reference only the selected rows, in O(rows · Lk) memory instead of O(H · Lq · Lk).
-    """
-    call = positional_bias(call)
-    if call.torch and compiling():  # torch.compile traces this call: see _compiled.py
-        from qkv.attention._compiled import outside_graph, run_compiled
-
-        result = run_compiled(call, backend)
-        if result is not None:
-            return result
-        return outside_graph(_run_chosen, call, backend)  # type: ignore[no-any-return]
-    if backend == "auto":
-        _backends.count_auto_call(call)
-    if rows_only and backend == "auto" and _selects_part(call):
-        fast = choose(replace(call, recorder=Recorder()), "auto")
-        backend = backend if BACKENDS[fast].records_steps else fast
-    chosen = choose(call, backend)
-    if BACKENDS[chosen].records_steps or call.trace is None:
-        return BACKENDS[chosen].run(call)
-    context, _ = BACKENDS[chosen].run(replace(call, recorder=Recorder()))
-    record_partial(call, call.trace, context, backend=chosen)
-    return context, None
-
-
-def _run_chosen(call: Call, backend: str) -> tuple[Array, Array | None]:
-    """The call on the backend chosen for it (no trace)."""
-    return BACKENDS[choose(call, backend)].run(call)
-
-
-def _selects_part(call: Call) -> bool:
-    """Whether the call's trace records fewer (head, query row) pairs than the call has and
-    no weights are asked for (then the reference need not run on every row)."""
-    trace = call.trace
-    if trace is None or call.return_weights or not call.torch:
-        return False
-    heads_total = int(call.query.shape[-3]) if "head" in call.lead else 1
-    q_len = int(call.query.shape[-2])
-    heads = trace.selection("head", heads_total) if "head" in call.lead else None
-    queries = trace.selection("query", q_len)
-    kept = (heads_total if heads is None else len(heads)) * (
-        q_len if queries is None else len(queries)
-    )
-    return kept < heads_total * q_len
-
-
-def positional_bias(call: Call) -> Call:
-    """ALiBi (an additive score modifier) as an (H, Lq, Lk) ``bias`` where that is best.
-
-    The bias array when it holds at most :data:`~qkv.attention._backends.DENSE_MASK_LIMIT`
-    elements (PyTorch's fused kernel takes a bias, not a modifier) or when the reference
-    forms the (Lq, Lk) steps anyway (weights or a trace are asked for), or under
-    ``torch.compile`` (a graph takes tensors, not modifiers); beyond, the modifier stays,
-    and the tiled kernel computes the same numbers block by block.
-    """
-    options = call.options
-    modifier = options.score_mod
-    if modifier is None or not modifier.additive:
-        return call
-    heads = int(call.query.shape[-3]) if "head" in call.lead else 1
-    q_len, kv_len = int(call.query.shape[-2]), int(call.key.shape[-2])
-    small = heads * q_len * kv_len <= _backends.DENSE_MASK_LIMIT
-    if not (small or call.return_weights or call.trace is not None or compiling()):
-        return call
-    table = modifier.as_bias(
-        heads, q_len, kv_len, xp=call.xp, device=device(call.query), dtype=call.query.dtype
-    )  # (H, Lq, Lk)
-    if "head" not in call.lead:
-        table = table[0]  # (Lq, Lk)
-    bias = table if options.bias is None else options.bias + table
-    return replace(call, options=replace(options, bias=bias, score_mod=None))
 
 
 def dispatch_of_trace(trace: Trace) -> Dispatch:
@@ -554,6 +370,6 @@ def weight_rows(
         array([[[[0.333, 0.333, 0.333]]]])
     """
     trace = Trace(heads=tuple(heads), queries=tuple(rows), record_steps=("weights",))
-    call = positional_bias(make_call(query, key, value, trace=trace, **options))
-    record_partial(call, trace, call.query, backend=_backends.stepwise())
+    call = make_call(query, key, value, trace=trace, **options)
+    record_partial(call, trace, call.query, backend=stepwise())
     return trace["weights"].value

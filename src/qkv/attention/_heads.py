@@ -16,9 +16,9 @@ from typing import Any
 
 from qkv._array import Array, as_array, is_torch_namespace, namespace, shape_str
 from qkv.attention import _checks
-from qkv.attention._backends import BackendName
-from qkv.attention._dispatch import run_call
+from qkv.attention._backend import BackendName
 from qkv.attention._options import make_call
+from qkv.attention._plans import run_call
 from qkv.masks import Alignment, Mask, ScoreMod
 from qkv.steps import WORDS
 from qkv.trace import Trace, resolve

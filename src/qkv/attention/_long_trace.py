@@ -14,9 +14,10 @@ from dataclasses import replace
 from typing import Any
 
 from qkv._array import Array, library
-from qkv.attention import _backends
-from qkv.attention._backends import _REFERENCE_COPIES, MEMORY_FRACTION, _itemsize, _size
-from qkv.attention._options import Call, Positions, Recorder, call_facts, shapes_of
+from qkv.attention import _backend
+from qkv.attention._backend import MEMORY_FRACTION, REFERENCE_COPIES, itemsize, size_text
+from qkv.attention._options import Call
+from qkv.attention._recorder import Positions, Recorder, call_facts, shapes_of
 from qkv.attention._reference import attend
 from qkv.trace import Trace
 
@@ -32,17 +33,17 @@ def record_partial(call: Call, trace: Trace, context: Array, *, backend: str) ->
     queries = trace.selection("query", q_len)
     rows = queries if queries is not None else list(range(q_len))
     head_rows = heads if heads is not None else list(range(heads_total))
-    per_row = (call.scores_elements() // max(q_len * heads_total, 1)) * _itemsize(call)
-    budget = (_backends.available_memory(call.query) or 1 << 30) * MEMORY_FRACTION
-    need = per_row * len(rows) * len(head_rows) * _REFERENCE_COPIES * 2
+    per_row = (call.scores_elements() // max(q_len * heads_total, 1)) * itemsize(call)
+    budget = (_backend.available_memory(call.query) or 1 << 30) * MEMORY_FRACTION
+    need = per_row * len(rows) * len(head_rows) * REFERENCE_COPIES * 2
     if need > budget:
-        keep = max(1, int(budget // (per_row * len(head_rows) * _REFERENCE_COPIES * 2)))
+        keep = max(1, int(budget // (per_row * len(head_rows) * REFERENCE_COPIES * 2)))
         if keep < len(rows):
             step = max(1, len(rows) // keep)
             rows = sorted({*rows[::step][: keep - 1], rows[-1]})
         warnings.warn(
             f"tracing attention over Lq = {q_len}, Lk = {kv_len}: the full (Lq, Lk) steps "
-            f"would need {_size(need)}; recording {len(rows)} query rows "
+            f"would need {size_text(need)}; recording {len(rows)} query rows "
             f"({_rows_text(rows)}) of {len(head_rows)} heads only. Hint: choose them with "
             "qkv.tracing(heads=[...], queries=[...]).",
             stacklevel=4,

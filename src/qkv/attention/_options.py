@@ -17,17 +17,25 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from types import MappingProxyType
 from typing import Any
 
-from qkv._array import Array, as_array, compiling
+from qkv._array import Array, as_array, compiling, inputs, with_layout
 from qkv.attention import _checks
+from qkv.attention._recorder import NO_FORMULAS, Recorder
 from qkv.masks import Alignment, Mask, ScoreMod, draw_seed, with_causal
 from qkv.masks._scores import as_score_mod
-from qkv.steps import WORDS
 from qkv.trace import Trace, resolve
 
-__all__ = ["Call", "Options", "Positions", "Recorder", "default_lead", "make_call"]
+__all__ = [
+    "DENSE_MASK_LIMIT",
+    "Call",
+    "Jagged",
+    "Options",
+    "Recorder",
+    "default_lead",
+    "handed_back",
+    "make_call",
+]
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,11 @@ class Options:
         return None if self.mask is None or isinstance(self.mask, Mask) else self.mask
 
     @property
+    def structured(self) -> bool:
+        """A qkv Mask rule or a score modifier: what the block-skipping kernels are for."""
+        return isinstance(self.mask, Mask) or self.score_mod is not None
+
+    @property
     def masked(self) -> bool:
         """Whether some key may be masked out (a mask or causality)."""
         return self.mask is not None or self.is_causal
@@ -85,148 +98,27 @@ class Options:
         return 1.0 / math.sqrt(d_k) if self.scale is None else float(self.scale)
 
 
-@dataclass(frozen=True)
-class Positions:
-    """Where the rows of a call sit in a larger one (a trace of selected rows).
-
-    Attributes:
-        heads: the original index of each query head (None: no head axis).
-        queries: the original index of each query row.
-        q_len: the original Lq (the causal alignment depends on it).
-    """
-
-    heads: list[int] | None
-    queries: list[int]
-    q_len: int
-
-
-_NO_FORMULAS: Mapping[str, str] = MappingProxyType({})
+DENSE_MASK_LIMIT = 1 << 22
+"""Auto avoids SDPA when it would need a mask array of more elements than this (4 Mi: a
+2048 × 2048 matrix); the tiled kernel evaluates such masks block by block instead. ALiBi
+becomes an (H, Lq, Lk) bias up to this size (:func:`make_call`)."""
 
 
 @dataclass(frozen=True)
-class Recorder:
-    """Where one call's steps go, and how they are named; records nothing without a trace.
+class Jagged:
+    """The result of nested jagged inputs is nested jagged too, with the query's offsets
+    (B + 1,) along the sequence."""
 
-    Attributes:
-        trace: the :class:`qkv.Trace` to record into, or None.
-        formulas: formulas that replace the Q, K, V steps' own ("Q = X·W_q" when the caller
-            projected them).
-        squeeze_heads: drop a single head axis from what is recorded.
-        positions: the rows this call holds of a larger one (a partial trace), or None.
-        backend: the backend that computes what is recorded (the call record's
-            ``backend``).
-    """
-
-    trace: Trace | None = None
-    formulas: Mapping[str, str] = field(default_factory=lambda: _NO_FORMULAS)
-    squeeze_heads: bool = False
-    positions: Positions | None = None
-    backend: str = "reference"
-
-    def begin(self, query: Array, key: Array, value: Array) -> None:
-        """Open the trace's record of this call (its backend and the shapes of its inputs)."""
-        if self.trace is not None:
-            self.trace.begin_call(backend=self.backend, shapes=shapes_of(query, key, value))
-
-    def step(
-        self,
-        name: str,
-        value: Array,
-        lead: tuple[str, ...],
-        axes: tuple[str, ...],
-        *,
-        formula: str | None = None,
-        kv: bool = False,
-    ) -> None:
-        """Record step ``name`` with axes (…lead, …axes); ``kv`` names the head axis
-        ``kv_head`` (keys and values under GQA)."""
-        if self.trace is None:
-            return
-        lead = tuple("kv_head" if kv and a == "head" else a for a in lead)
-        if self.squeeze_heads and lead and lead[-1] in ("head", "kv_head"):
-            value = value[..., 0, :, :]
-            lead = lead[:-1]
-        words = WORDS[name]
-        self.trace.record(
-            name,
-            value,
-            formula=self.formulas.get(name) or formula or words.formula,
-            description=words.description,
-            axes=(*lead, *axes),
-        )
-
-    def sink(self, share: Array, lead: tuple[str, ...], sinks: Array) -> None:
-        """Record the share of attention each row gives to the sink, (…lead, Lq), and the
-        sink logits, into the call's meta as ``sink`` (see :meth:`qkv.Trace.note_sink`)."""
-        if self.trace is None:
-            return
-        axes = (*lead, "query")
-        if self.squeeze_heads and lead and lead[-1] == "head":
-            share = share[..., 0, :]
-            axes = (*lead[:-1], "query")
-        self.trace.note_sink(share, axes, sink_logits(sinks))
-
-    def facts(
-        self,
-        query: Array,
-        key: Array,
-        value: Array,
-        lead: tuple[str, ...],
-        options: Options,
-    ) -> None:
-        """Close the trace's record of this call with its facts (heads, d_k, scale,
-        causality, mask), which also go into the trace's meta."""
-        if self.trace is None:
-            return
-        if options.sinks is None:
-            self.trace.meta.pop("sink", None)  # a sink of an earlier call
-        self.trace.end_call(**call_facts(query, key, value, lead, options))
-
-
-def shapes_of(query: Array, key: Array, value: Array) -> dict[str, list[int]]:
-    """The shapes of a call's inputs, for its trace record."""
-    named = {"query": query, "key": key, "value": value}
-    return {name: [int(n) for n in x.shape] for name, x in named.items()}
-
-
-def call_facts(
-    query: Array, key: Array, value: Array, lead: tuple[str, ...], options: Options
-) -> dict[str, Any]:
-    """What a trace records about a call: heads, d_k, d_v, scale, causality, mask."""
-    scale = options.scale
-    d_k = int(query.shape[-1])
-    mask = options.mask
-    facts: dict[str, Any] = {
-        "num_heads": int(query.shape[-3]) if "head" in lead else 1,
-        "num_kv_heads": int(key.shape[-3]) if "head" in lead else 1,
-        "d_k": d_k,
-        "d_v": int(value.shape[-1]),
-        "scale": options.scale_for(d_k),
-        "scale_mode": "sqrt_dk" if scale is None else ("none" if scale == 1.0 else "custom"),
-        "causal": bool(options.is_causal),
-        "causal_alignment": options.causal_alignment,
-        "mask": None if mask is None else _describe_mask(mask),
-    }
-    if options.score_mod is not None:
-        facts["score_mod"] = repr(options.score_mod)
-    return facts
-
-
-def sink_logits(sinks: Array) -> list[float]:
-    """The sink logits as plain floats (for a trace's meta)."""
-    values = sinks.detach() if hasattr(sinks, "detach") else sinks
-    if hasattr(values, "cpu"):
-        values = values.cpu()
-    return [float(x) for x in values.tolist()]
-
-
-def _describe_mask(mask: Array | Mask) -> str:
-    return repr(mask) if isinstance(mask, Mask) else f"boolean array {tuple(mask.shape)}"
+    offsets: Any
 
 
 @dataclass(frozen=True)
 class Call:
-    """One attention call, checked: what every backend receives.
+    """One attention call, checked: what the plan and every backend receive.
+
+    Everything a backend or the plan asks of the inputs is looked up here once: the
+    library and namespace, the device, the layout of the result, whether a gradient is
+    wanted.
 
     Attributes:
         library: the inputs' library, ``"numpy"`` or ``"torch"`` (looked up once).
@@ -236,6 +128,13 @@ class Call:
         options: the call's :class:`Options`.
         return_weights: the weights are asked for.
         recorder: where the steps go (:class:`Recorder`).
+        torch: the inputs are PyTorch tensors.
+        cuda: they live on a CUDA device.
+        grad: autograd records and query, key or value requires a gradient.
+        layout: how the result is handed back: laid out as the query's strides
+            (:func:`qkv._array.with_layout`), :class:`Jagged`, or None (as it comes).
+        prepared: what the planned backend worked out once for calls of this signature
+            (its ``prepare``), or None.
     """
 
     library: str
@@ -247,14 +146,15 @@ class Call:
     options: Options
     return_weights: bool = False
     recorder: Recorder = field(default_factory=Recorder)
+    torch: bool = False
+    cuda: bool = False
+    grad: bool = False
+    layout: tuple[int, ...] | Jagged | None = None
+    prepared: Any = None
 
     @property
     def trace(self) -> Trace | None:
         return self.recorder.trace
-
-    @property
-    def torch(self) -> bool:
-        return self.library == "torch"
 
     def scores_elements(self) -> int:
         """Elements of one (..., H, Lq, Lk) matrix."""
@@ -294,35 +194,63 @@ def make_call(
 ) -> Call:
     """Check the arguments of :func:`qkv.scaled_dot_product_attention` once and bundle them.
 
+    Nested jagged inputs become their packed tokens (1, H, total, D) with the document rule
+    of their sequences (:mod:`qkv.attention._packed`), and the call's ``layout`` says how
+    to hand the result back. An additive score modifier (ALiBi) becomes an (H, Lq, Lk)
+    bias where that is best (:func:`_positional_bias`).
+
     ``lead``, ``formulas`` and ``squeeze_heads`` come from callers that made query, key and
     value themselves (:func:`qkv.multi_head_attention`): the names of the axes before
     (L, D) (default: PyTorch's layout, :func:`default_lead`) and the recorder's settings.
     """
-    kind, xp, query, key, value = _checks.qkv_arrays(query, key, value, enable_gqa=enable_gqa)
+    layout: tuple[int, ...] | Jagged | None = None
+    if getattr(query, "is_nested", False):
+        query, key, value, mask, layout = _packed_tokens(
+            query, key, value, mask, bias, is_causal, causal_alignment, return_weights
+        )
+        is_causal = False
+    found = inputs(query, key, value)
+    _checks.check_qkv(found, enable_gqa=enable_gqa)
+    kind, xp, query, key, value = found.library, found.xp, found.query, found.key, found.value
     _checks.check_options(scale, dropout_p, causal_alignment)
     scores_shape = (*query.shape[:-2], query.shape[-2], key.shape[-2])
-    _checks.check_mask(mask, query, kind, scores_shape)
+    _checks.check_mask(mask, kind, found.device, scores_shape)
     bias = None if bias is None else as_array(bias, "bias")
-    _checks.check_bias(bias, query, kind, scores_shape)
+    _checks.check_bias(bias, kind, found.device, scores_shape)
     if lead is None:
         lead = default_lead(query.ndim, enable_gqa=enable_gqa)
     if isinstance(mask, Mask):  # one length per batch element, on every backend
         mask.check_batch(int(query.shape[lead.index("batch")]) if "batch" in lead else 1)
     heads = int(query.shape[-3]) if "head" in lead else 1
-    compiled = kind == "torch" and compiling()
+    torch = kind == "torch"
+    compiled = torch and compiling()
     if sinks is not None:
-        sinks = _checks.check_sinks(sinks, query, kind, heads)
+        sinks = _checks.check_sinks(sinks, kind, found.device, heads)
         if not compiled:  # compiled: the tiled kernel's operator checks them when it runs
             _checks.check_sink_values(xp, sinks)
     seed: int | Array | None = None
     if dropout_p > 0 and compiled:
         seed = graph_seed(generator)
     elif dropout_p > 0:
-        seed = draw_seed(generator, torch_inputs=kind == "torch")
+        seed = draw_seed(generator, torch_inputs=torch)
+    recorder = Recorder(resolve(trace), formulas or NO_FORMULAS, squeeze_heads)
+    modifier = as_score_mod(score_mod)
+    if modifier is not None and modifier.additive:
+        table = _positional_bias(
+            modifier,
+            (heads, int(query.shape[-2]), int(key.shape[-2])),
+            xp,
+            found.device,
+            query.dtype,
+            formed=bool(return_weights) or recorder.trace is not None or compiled,
+        )
+        if table is not None:
+            table = table if "head" in lead else table[0]  # (H, Lq, Lk) or (Lq, Lk)
+            bias, modifier = table if bias is None else bias + table, None
     options = Options(
         mask=mask,
         bias=bias,
-        score_mod=as_score_mod(score_mod),
+        score_mod=modifier,
         is_causal=bool(is_causal),
         causal_alignment="bottom-right" if causal_alignment == "bottom-right" else "top-left",
         scale=scale,
@@ -331,8 +259,110 @@ def make_call(
         seed=seed,
         sinks=sinks,
     )
-    recorder = Recorder(resolve(trace), formulas or _NO_FORMULAS, squeeze_heads)
-    return Call(kind, xp, query, key, value, lead, options, bool(return_weights), recorder)
+    grad = False
+    if torch:
+        import torch as torch_module
+
+        grad = torch_module.is_grad_enabled() and (
+            query.requires_grad or key.requires_grad or value.requires_grad
+        )
+    return Call(
+        kind,
+        xp,
+        query,
+        key,
+        value,
+        lead,
+        options,
+        bool(return_weights),
+        recorder,
+        torch=torch,
+        cuda=torch and is_cuda(found.device),
+        grad=grad,
+        layout=found.strides if layout is None else layout,
+    )
+
+
+def is_cuda(device: Any) -> bool:
+    """Whether a tensor's device is a CUDA device (where auto considers ``flex`` first)."""
+    return bool(device.type == "cuda")
+
+
+def _positional_bias(
+    modifier: ScoreMod,
+    shape: tuple[int, int, int],
+    xp: Any,
+    where: Any,
+    dtype: Any,
+    *,
+    formed: bool,
+) -> Array | None:
+    """ALiBi (an additive score modifier) as an (H, Lq, Lk) bias where that is best, else
+    None (the modifier stays).
+
+    The bias array when it holds at most :data:`DENSE_MASK_LIMIT` elements (PyTorch's
+    fused kernel takes a bias, not a modifier), or when the (Lq, Lk) steps are ``formed``
+    anyway (weights or a trace are asked for) or under ``torch.compile`` (a graph takes
+    tensors, not modifiers); beyond, the modifier stays, and the tiled kernel computes the
+    same numbers block by block.
+    """
+    if math.prod(shape) > DENSE_MASK_LIMIT and not formed:
+        return None
+    return modifier.as_bias(*shape, xp=xp, device=where, dtype=dtype)
+
+
+def _packed_tokens(
+    query: Any,
+    key: Any,
+    value: Any,
+    mask: Any,
+    bias: Any,
+    is_causal: bool,
+    alignment: str,
+    return_weights: bool,
+) -> tuple[Any, Any, Any, Mask, Jagged]:
+    """Nested jagged query, key and value (B, H, j, D) as packed tokens (1, H, total, D),
+    the document rule of their sequences (causal within each if asked), and the layout of
+    the result."""
+    from qkv.attention._packed import jagged_parts, packed_rule
+
+    for name, given in (("mask", mask), ("bias", bias)):
+        if given is not None:
+            raise ValueError(
+                f"scaled_dot_product_attention: {name}= is an (Lq, Lk) array, which nested "
+                "jagged inputs do not have. Hint: is_causal=True, a score_mod, or "
+                "qkv.varlen_attention(..., window_size=...) on the packed tokens."
+            )
+    if return_weights:
+        raise ValueError(
+            "scaled_dot_product_attention: return_weights=True with nested jagged inputs: the "
+            "weights of sequences of different lengths are no one tensor. Hint: run a "
+            "sequence alone, as a dense (H, L, D) tensor, to see its weights."
+        )
+    q, starts_q = jagged_parts(query, "query")  # (total_q, H, D)
+    k, starts_k = jagged_parts(key, "key")  # (total_k, Hkv, D)
+    v, starts_v = jagged_parts(value, "value")  # (total_k, Hkv, Dv)
+    if starts_k != starts_v or len(starts_q) != len(starts_k):
+        raise ValueError(
+            f"scaled_dot_product_attention: query, key and value must hold the same number "
+            f"of sequences (key and value the same lengths), got {len(starts_q) - 1}, "
+            f"{len(starts_k) - 1} and {len(starts_v) - 1}. Hint: one nested tensor per "
+            "sequence batch, as torch's SDPA takes them."
+        )
+    rule = packed_rule(starts_q, starts_k, None, 0 if is_causal else None, alignment)
+    packed = (x.transpose(0, 1)[None] for x in (q, k, v))  # (1, H, total, D)
+    return (*packed, rule, Jagged(query.transpose(1, 2).offsets()))
+
+
+def handed_back(context: Array, layout: tuple[int, ...] | Jagged | None) -> Array:
+    """The result as the caller gets it: laid out in memory as the query was (as torch's
+    SDPA does), or nested jagged (B, H, j, Dv) for nested inputs."""
+    if isinstance(layout, Jagged):
+        import torch
+
+        tokens = context[0].transpose(0, 1)  # (total_q, H, Dv)
+        return torch.nested.nested_tensor_from_jagged(tokens, layout.offsets).transpose(1, 2)
+    return with_layout(context, layout)
 
 
 def graph_seed(generator: Any) -> Array:

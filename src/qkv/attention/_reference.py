@@ -35,7 +35,8 @@ from typing import Any
 
 from qkv._array import Array, compute_dtype, device
 from qkv.attention._guards import check_overflow, clean_scores, quiet, weighted_sum
-from qkv.attention._options import Options, Positions, Recorder, make_call
+from qkv.attention._options import Options, make_call
+from qkv.attention._recorder import Positions, Recorder
 from qkv.attention._softmax import _softmax
 from qkv.masks import Alignment, Mask, ScoreMod, dropout_keep
 from qkv.trace import Trace

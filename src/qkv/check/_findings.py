@@ -15,7 +15,7 @@ from typing import Any, Self
 
 from qkv._format import visible
 
-__all__ = ["DIAGNOSES", "STATUSES", "Finding", "ReportData"]
+__all__ = ["DIAGNOSED", "DIAGNOSES", "STATUSES", "Diagnosis", "Finding", "ReportData"]
 
 STATUSES = ("ok", "mismatch", "consequential", "note")
 """What a finding can say about a claimed row.
@@ -25,49 +25,140 @@ this step (``diagnosis`` names it). ``consequential``: the step was done right, 
 numbers from an earlier step. ``note``: off only beyond the printed precision (``rounding``).
 """
 
-DIAGNOSES = {
-    "unscaled": "softmax of Q·Kᵀ without dividing by √d_k",
-    "scaled-by-dmodel": "each head's scores are divided by √d_model instead of √d_head "
-    "(d_head = d_model / num_heads)",
-    "scaled-by-dk": "divided by d_k instead of √d_k",
-    "transposed-weights": "X·Wᵀ instead of X·W (the column-vector convention mixed up)",
-    "softmax-wrong-axis": "softmax normalised over the queries (columns) instead of over the "
-    "keys (rows)",
-    "query-key-swapped": "K·Qᵀ instead of Q·Kᵀ: a score row holds another query's scores",
-    "sum-normalised": "the scores are divided by their row sum instead of going through "
-    "softmax (exponentiate, then divide by the sum of the exponentials)",
-    "mask-ignored": "the mask (or the causal rule) is not applied: a masked key must get "
-    "weight 0 (set its score to −inf before the softmax)",
-    "mask-inverted": "the mask is applied the wrong way round: each query attends exactly the "
-    "keys it must not",
-    "causal-misaligned": "the causal rule is aligned at the wrong corner when Lq ≠ Lk",
-    "context-not-summed": 'the "context vectors" are the products w_j·v_j of one query, not '
-    "their sum",
-    "other-weights": "the context is computed from weights other than the printed ones "
-    "(rounded, or assumed)",
-    "heads-averaged": "the heads' attention is averaged instead of each head's context being "
-    "computed on its own slice of V and the heads concatenated before W_o",
-    "wrong-query": "the row was computed with another token's query",
-    "not-softmax": "weights that no softmax of these scores gives: a larger score gets a "
-    "smaller weight",
-    "exps-rounded-to-zero": "the exponentials were rounded to 0 and carried on: their sum is 0 "
-    "and the weights 0/0 (subtract the row's largest score before exp, or keep more digits)",
-    "flash-no-rescale": "tiled: the accumulator O is not rescaled by α = exp(m_old − m_new) "
-    "when the running maximum grows",
-    "flash-sum-not-rescaled": "tiled: the running sum l is not rescaled by α = exp(m_old − "
-    "m_new) when the running maximum grows",
-    "flash-max-not-updated": "tiled: the running maximum m is not updated to the largest "
-    "score seen so far",
-    "flash-final-divide-missing": "tiled: the output is the accumulator O, not divided by the "
-    "running sum l",
-    "flash-lse-wrong-base": "tiled: the log-sum-exp in base 2 (log2 or exp2 without the "
-    "matching scale) instead of the natural log",
-    "flash-lse-without-max": "tiled: the log-sum-exp is ln l alone, without adding the "
-    "running maximum m",
-    "digit-slip": "one digit wrong, or two neighbouring digits swapped; the rest is right",
-    "arithmetic": "one or a few numbers wrong, with no pattern above",
-    "rounding": "differs only beyond the printed precision (a note, not an error)",
-}
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """A code ``qkv check`` names a slip by: in a worked example (:data:`DIAGNOSED`), in
+    attention code (``FunctionCode``, with the slips that give it) or in FlashAttention
+    code (``FLASH_CODES``).
+
+    Attributes:
+        code: the code (``"unscaled"``).
+        part: the part of the mechanism the slip costs in ``qkv grade`` (one of
+            :data:`qkv.grade.PARTS`), or None for a slip of no step in particular
+            (``arithmetic``): it costs the part of the step it was found at.
+        sentence: the slip it names, in a learner's words.
+    """
+
+    code: str
+    part: str | None
+    sentence: str
+
+
+DIAGNOSED: tuple[Diagnosis, ...] = (
+    Diagnosis("unscaled", "scaling", "softmax of Q·Kᵀ without dividing by √d_k"),
+    Diagnosis(
+        "scaled-by-dmodel",
+        "scaling",
+        "each head's scores are divided by √d_model instead of √d_head "
+        "(d_head = d_model / num_heads)",
+    ),
+    Diagnosis("scaled-by-dk", "scaling", "divided by d_k instead of √d_k"),
+    Diagnosis(
+        "transposed-weights",
+        "projections",
+        "X·Wᵀ instead of X·W (the column-vector convention mixed up)",
+    ),
+    Diagnosis(
+        "softmax-wrong-axis",
+        "softmax",
+        "softmax normalised over the queries (columns) instead of over the keys (rows)",
+    ),
+    Diagnosis(
+        "query-key-swapped",
+        "scores",
+        "K·Qᵀ instead of Q·Kᵀ: a score row holds another query's scores",
+    ),
+    Diagnosis(
+        "sum-normalised",
+        "softmax",
+        "the scores are divided by their row sum instead of going through "
+        "softmax (exponentiate, then divide by the sum of the exponentials)",
+    ),
+    Diagnosis(
+        "mask-ignored",
+        "mask",
+        "the mask (or the causal rule) is not applied: a masked key must get "
+        "weight 0 (set its score to −inf before the softmax)",
+    ),
+    Diagnosis(
+        "mask-inverted",
+        "mask",
+        "the mask is applied the wrong way round: each query attends exactly the keys it must not",
+    ),
+    Diagnosis(
+        "causal-misaligned", "mask", "the causal rule is aligned at the wrong corner when Lq ≠ Lk"
+    ),
+    Diagnosis(
+        "context-not-summed",
+        "weighted-sum",
+        'the "context vectors" are the products w_j·v_j of one query, not their sum',
+    ),
+    Diagnosis(
+        "other-weights",
+        "weighted-sum",
+        "the context is computed from weights other than the printed ones (rounded, or assumed)",
+    ),
+    Diagnosis(
+        "heads-averaged",
+        "heads",
+        "the heads' attention is averaged instead of each head's context being "
+        "computed on its own slice of V and the heads concatenated before W_o",
+    ),
+    Diagnosis("wrong-query", "scores", "the row was computed with another token's query"),
+    Diagnosis(
+        "not-softmax",
+        "softmax",
+        "weights that no softmax of these scores gives: a larger score gets a smaller weight",
+    ),
+    Diagnosis(
+        "exps-rounded-to-zero",
+        "softmax",
+        "the exponentials were rounded to 0 and carried on: their sum is 0 "
+        "and the weights 0/0 (subtract the row's largest score before exp, or keep more digits)",
+    ),
+    Diagnosis(
+        "flash-no-rescale",
+        "flash-output",
+        "tiled: the accumulator O is not rescaled by α = exp(m_old − m_new) "
+        "when the running maximum grows",
+    ),
+    Diagnosis(
+        "flash-sum-not-rescaled",
+        "flash-output",
+        "tiled: the running sum l is not rescaled by α = exp(m_old − "
+        "m_new) when the running maximum grows",
+    ),
+    Diagnosis(
+        "flash-max-not-updated",
+        "flash-output",
+        "tiled: the running maximum m is not updated to the largest score seen so far",
+    ),
+    Diagnosis(
+        "flash-final-divide-missing",
+        "flash-output",
+        "tiled: the output is the accumulator O, not divided by the running sum l",
+    ),
+    Diagnosis(
+        "flash-lse-wrong-base",
+        "flash-lse",
+        "tiled: the log-sum-exp in base 2 (log2 or exp2 without the "
+        "matching scale) instead of the natural log",
+    ),
+    Diagnosis(
+        "flash-lse-without-max",
+        "flash-lse",
+        "tiled: the log-sum-exp is ln l alone, without adding the running maximum m",
+    ),
+    Diagnosis(
+        "digit-slip", None, "one digit wrong, or two neighbouring digits swapped; the rest is right"
+    ),
+    Diagnosis("arithmetic", None, "one or a few numbers wrong, with no pattern above"),
+    Diagnosis("rounding", None, "differs only beyond the printed precision (a note, not an error)"),
+)
+"""Every diagnosis of a worked example, in the order they are tried, each with its part."""
+
+DIAGNOSES: dict[str, str] = {d.code: d.sentence for d in DIAGNOSED}
 """Each diagnosis code and the slip it names, in the order they are tried."""
 
 

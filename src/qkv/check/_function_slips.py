@@ -69,9 +69,11 @@ def _attend(
     after_softmax: bool = False,
     fill: str = "-inf",
     transpose: bool = True,
+    seen_ndim: int = 2,
 ) -> tuple[Array, Array]:
     """Single-head attention with one slip: the scale, the normalisation (``softmax``,
-    ``columns``, ``sum``), K·Qᵀ for Q·Kᵀ, Q·K without the transpose, the mask rule, what a
+    ``columns``, ``sum``, or ``batch``: over axis 0 of the scores as the function saw them,
+    ``seen_ndim`` axes), K·Qᵀ for Q·Kᵀ, Q·K without the transpose, the mask rule, what a
     masked score is set to (``fill``), the mask applied after the softmax. Raises
     ValueError where the slip cannot run.
 
@@ -97,6 +99,8 @@ def _attend(
             s = np.where(allow, s, {"-inf": -np.inf, "zero": 0.0, "+inf": np.inf}[fill])
         if normalise == "columns":
             w = _softmax(s, -2)
+        elif normalise == "batch":  # (1, 1, Lq, Lk) when lifted: exp(s − s) = 1, NaN if −inf
+            w = _softmax(s.reshape((1,) * (seen_ndim - 2) + s.shape), 0).reshape(s.shape)
         elif normalise == "sum":
             s0 = np.where(np.isinf(s), 0.0, s)
             with np.errstate(invalid="ignore", divide="ignore"):
@@ -172,6 +176,7 @@ def single(
             return _attend(
                 q, k, v, _rule(spec, p, rule), scale=factor[scale], normalise=normalise,
                 swap=swap, after_softmax=after_softmax, fill=fill, transpose=transpose,
+                seen_ndim=p.seen_ndim,
             )  # fmt: skip
 
         return slip

@@ -48,7 +48,8 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         "--kind",
         choices=_KINDS,
         default="attention",
-        help="what each submission holds: attention: FUNCTION(Q, K, V[, mask]); causal; "
+        help="what each submission holds: attention: FUNCTION(Q, K, V[, mask]); causal: the "
+        "same, causal; "
         "multi-head: FUNCTION(X, W_q, W_k, W_v, W_o, num_heads); gqa: the same with "
         "num_kv_heads; module: an attention class (--class); flash: a FlashAttention "
         "FUNCTION(Q, K, V, is_causal) or torch.autograd.Function; example: a worked example "

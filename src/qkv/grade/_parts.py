@@ -2,8 +2,9 @@
 
 A part is a step of attention as the seeds name it: the projections (Q = X·W_q, ...), the
 scores Q·Kᵀ, their scaling by 1/√d_k, the mask, the softmax, the weighted sum of the value
-vectors, and the heads (or the output projection W_o). A slip code of ``qkv check`` (both the
-worked-example codes and those of ``--function``) belongs to one part: ``unscaled`` to
+vectors, and the heads (or the output projection W_o). A slip code of ``qkv check`` declares
+the part it belongs to where it is declared (``part`` of the worked examples' ``DIAGNOSED``,
+of ``--function``'s ``CODES`` and of ``--kind flash``'s ``FLASH_CODES``): ``unscaled`` to
 ``scaling``, ``softmax-wrong-axis`` to ``softmax``. Codes that name no step (``arithmetic``,
 ``digit-slip``, ``unrecognised``) belong to the part of the step they were found at.
 
@@ -15,6 +16,10 @@ Example:
 """
 
 from __future__ import annotations
+
+from qkv.check._findings import DIAGNOSED
+from qkv.check._flash_codes import FLASH_CODES, PLAIN_IN_FLASH
+from qkv.check._function_codes import CODES
 
 __all__ = [
     "CODE_PARTS",
@@ -61,59 +66,20 @@ PART_TITLES: dict[str, str] = {
 }
 """Each part as a student reads it: its name and what it computes."""
 
-CODE_PARTS: dict[str, str] = {
-    "transposed-weights": "projections",
-    "query-key-swapped": "scores",
-    "wrong-query": "scores",
-    "unscaled": "scaling",
-    "scaled-by-ndim": "scaling",
-    "scaled-by-num-heads": "scaling",
-    "scaled-by-dk": "scaling",
-    "scaled-by-dmodel": "scaling",
-    "mask-ignored": "mask",
-    "mask-inverted": "mask",
-    "causal-misaligned": "mask",
-    "masked-row-nan": "mask",
-    "causal-off-by-one": "mask",
-    "mask-after-softmax": "mask",
-    "softmax-wrong-axis": "softmax",
-    "sum-normalised": "softmax",
-    "not-softmax": "softmax",
-    "no-max-subtraction": "softmax",
-    "exps-rounded-to-zero": "softmax",
-    "dropout-at-inference": "softmax",
-    "context-not-summed": "weighted-sum",
-    "other-weights": "weighted-sum",
-    "heads-averaged": "heads",
-    "heads-split-without-transpose": "heads",
-    "heads-merged-without-transpose": "heads",
-    "kv-heads-not-repeated": "heads",
-    "kv-heads-wrong-order": "heads",
-    "unbatched": "batched",
-    "qk-not-transposed": "scores",
-    "head-scaled-by-width": "scaling",
-    "mask-not-applied": "mask",
-    "mask-filled-with-zero": "mask",
-    "mask-filled-with-inf": "mask",
-    "cross-mask-misaligned": "mask",
-    "flash-no-rescale": "flash-output",
-    "flash-sum-not-rescaled": "flash-output",
-    "flash-max-not-updated": "flash-output",
-    "flash-final-divide-missing": "flash-output",
-    "flash-last-tile-dropped": "flash-output",
-    "flash-kv-tiles-from-q": "flash-output",
-    "flash-raised": "flash-output",
-    "flash-unrecognised": "flash-output",
-    "flash-lse-wrong-base": "flash-lse",
-    "flash-lse-without-max": "flash-lse",
-    "flash-empty-tile-nan": "flash-causal",
-    "flash-causal-diagonal": "flash-causal",
-    "flash-causal-offset": "flash-causal",
-    "flash-causal-ignored": "flash-causal",
-    "flash-backward-D": "flash-backward",
-    "flash-backward-scale": "flash-backward",
-}
-"""The part each slip code names; the codes not here belong to the step they were found at."""
+
+def _declared_parts() -> dict[str, str]:
+    """The part each code declares where it is declared: the worked examples' diagnoses,
+    the codes of ``--function`` and those of ``--kind flash``; a code declared in several
+    declares one part (``tests/core/test_registry.py`` checks it)."""
+    found: dict[str, str] = {}
+    for declared in (DIAGNOSED, CODES, FLASH_CODES):
+        found.update({c.code: c.part for c in declared if c.part is not None})
+    return found
+
+
+CODE_PARTS: dict[str, str] = _declared_parts()
+"""The part each slip code names, from its declaration; the codes not here (``arithmetic``,
+``unrecognised``, ...) belong to the step they were found at."""
 
 STEP_PARTS: dict[str, str] = {
     "Q": "projections",
@@ -142,8 +108,6 @@ def part_of(code: str | None, step: str, *, heads: int = 1) -> str:
 FLASH_PARTS: tuple[str, ...] = ("flash-output", "flash-lse", "flash-causal", "flash-backward")
 """The parts of a FlashAttention assignment (``qkv grade --kind flash``)."""
 
-_FLASH_PLAIN = {"unscaled": "flash-output", "scaled-by-dk": "flash-output"}
-
 
 def flash_part(code: str | None, step: str, causal: bool) -> str:
     """The part of a FlashAttention assignment a finding costs: its step (``lse``, ``dQ``,
@@ -157,7 +121,10 @@ def flash_part(code: str | None, step: str, causal: bool) -> str:
         return "flash-lse"
     if step in ("dQ", "dK", "dV"):
         return "flash-backward"
-    part = _FLASH_PLAIN.get(code or "", CODE_PARTS.get(code or "", "flash-output"))
+    if code in PLAIN_IN_FLASH:
+        part = PLAIN_IN_FLASH[code] or ""
+    else:
+        part = CODE_PARTS.get(code or "", "flash-output")
     if part not in FLASH_PARTS:
         part = "flash-causal" if causal else "flash-output"
     if causal and part == "flash-output" and code in ("flash-raised", "flash-unrecognised"):

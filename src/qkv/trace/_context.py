@@ -23,7 +23,11 @@ ModelAdapter = Callable[[object, Trace], AbstractContextManager[None]]
 modules (``trace._use_model(model, modules)``) and routes their attention through qkv for
 the duration of the block."""
 
-_ADAPTER_MODULES = {"transformers": "qkv.hf"}  # a model's package -> the qkv module adapting it
+_ADAPTER_MODULES = {  # a model's package -> the qkv module adapting it
+    "transformers": "qkv.hf",
+    "transformer_lens": "qkv.interp",
+    "nnsight": "qkv.interp",
+}
 _ADAPTERS: dict[str, ModelAdapter] = {}
 
 
