@@ -256,9 +256,10 @@ def apply_rope(
             "feature i with i + D/2 (Llama in Hugging Face), 'interleaved' pairs 2i and 2i + 1."
         )
     length, dim = int(x.shape[-2]), int(x.shape[-1])
-    if positions is None and library(x) == "torch" and compiling():
+    given_tensor = positions is not None and library(positions) == "torch"
+    if (positions is None or given_tensor) and library(x) == "torch" and compiling():
         _check_offset(offset)
-        cos, sin = _torch_tables(offset, length, dim, base, x)  # (L, D/2) each
+        cos, sin = _torch_tables(offset, length, dim, base, x, positions)  # (P..., D/2) each
     else:
         cos, sin = _numpy_tables(positions, offset, length, dim, base, xp, x)
     out_dtype = x.dtype
@@ -304,15 +305,26 @@ def _numpy_tables(
     return _as_like(xp, np.cos(angles), x), _as_like(xp, np.sin(angles), x)
 
 
-def _torch_tables(offset: int, length: int, dim: int, base: float, x: Any) -> tuple[Any, Any]:
-    """cos and sin of the angles (L, D/2) of positions offset … offset + L − 1, computed in
-    torch float64 on the CPU (what ``torch.compile`` traces; the same numbers as
-    :func:`rope_angles` to float64 rounding), as tensors of x's device and compute dtype."""
+def _torch_tables(
+    offset: int, length: int, dim: int, base: float, x: Any, given: Any = None
+) -> tuple[Any, Any]:
+    """cos and sin of the angles (L, D/2) of positions offset … offset + L − 1, or (P...,
+    D/2) of the ``given`` positions tensor (packed sequences), computed in torch float64
+    (what ``torch.compile`` traces; the same numbers as :func:`rope_angles` to float64
+    rounding), as tensors of x's device and compute dtype."""
     import torch
 
-    positions = torch.arange(offset, offset + length, dtype=torch.float64)
+    if given is None:
+        positions = torch.arange(offset, offset + length, dtype=torch.float64)
+    elif given.ndim == 0 or given.shape[-1] not in (length, 1):
+        raise ValueError(
+            f"positions must give one position per token (length {length} on its last axis), "
+            f"got shape {tuple(given.shape)}. Hint: positions=range(offset, offset + L)."
+        )
+    else:
+        positions = given.to(torch.float64)
     inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # (D/2,)
-    angles = positions[:, None] * inv_freq  # (L, D/2)
+    angles = positions[..., None] * inv_freq.to(positions.device)  # (P..., D/2)
     dtype = x.dtype if dtype_name(x) in ("float32", "float64") else torch.float32
     return (
         angles.cos().to(device=x.device, dtype=dtype),

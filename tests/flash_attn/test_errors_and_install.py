@@ -78,7 +78,17 @@ BAD: list[tuple[str, Callable[[], Any], str]] = [
     (
         "max_seqlen",
         lambda: _v(_q(5, 2, 8), max_q=2),
-        "max_seqlen_q must be an integer ≥ the longest sequence (3)",
+        "max_seqlen_q must be an integer ≥ the longest sequence's queries (3), got 2",
+    ),
+    (
+        "cu_seqlens device",
+        lambda: _v(_q(5, 2, 8), CU.to("meta")),
+        "cu_seqlens_q is on the meta device, which holds no values",
+    ),
+    (
+        "cu_seqlens float",
+        lambda: _v(_q(5, 2, 8), CU.float()),
+        "cu_seqlens_q must be integers of shape (B + 1,), got float32 of shape (3,)",
     ),
     (
         "block_table varlen",

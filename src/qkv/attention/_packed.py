@@ -19,43 +19,94 @@ import numpy as np
 from qkv._array import Array
 from qkv.masks import Mask, document, from_function
 
-__all__ = ["check_max", "jagged_parts", "offsets", "packed_rule", "window"]
+__all__ = [
+    "check_max",
+    "check_offset_values",
+    "check_offsets_tensor",
+    "jagged_parts",
+    "offsets",
+    "packed_rule",
+    "window",
+]
 
 
 def offsets(
-    cu: Any, name: str, total: int, tokens: str, who: str = "varlen_attention"
+    cu: Any,
+    name: str,
+    total: int,
+    tokens: str,
+    who: str = "varlen_attention",
+    device: Any = None,
 ) -> list[int]:
     """The checked offsets of ``cu`` (read to the host once): a leading 0, never
-    decreasing, ``total`` last."""
-    array = np.asarray(cu.detach().cpu() if hasattr(cu, "detach") else cu)
+    decreasing, ``total`` last; a tensor on ``device`` (query's) when one is given."""
+    if hasattr(cu, "detach"):  # a tensor: where it lives is checked before it is read
+        check_offsets_tensor(cu, name, who, device)
+        cu = cu.detach().cpu()
+    array = np.asarray(cu)
     if array.ndim != 1 or array.size < 2 or not np.issubdtype(array.dtype, np.integer):
+        raise _not_offsets(name, who, f"{array.dtype} of shape {tuple(array.shape)}")
+    values = [int(n) for n in array]
+    check_offset_values(values, name, total, tokens, who)
+    return values
+
+
+def check_offsets_tensor(cu: Any, name: str, who: str, device: Any = None) -> None:
+    """What can be checked of an offsets tensor without reading it (also while
+    torch.compile traces): not on ``meta``, on ``device`` (query's, when given), integers of
+    shape (B + 1,)."""
+    if cu.device.type == "meta":
         raise ValueError(
-            f"{who}: {name} must be integers of shape (B + 1,), got "
-            f"{array.dtype} of shape {tuple(array.shape)}. Hint: torch.tensor([0, 3, 8], "
-            "dtype=torch.int32) for sequences of 3 and 5 tokens."
+            f"{who}: {name} is on the meta device, which holds no values to read the "
+            f"sequences from. Hint: give real offsets, {name} = torch.tensor([0, 3, 8]) on "
+            "the query's device."
         )
-    offsets = [int(n) for n in array]
-    if offsets[0] != 0 or any(b < a for a, b in pairwise(offsets)):
+    if device is not None and cu.device != device:
         raise ValueError(
-            f"{who}: {name} must start at 0 and never decrease, got {offsets[:8]}"
-            f"{' ...' if len(offsets) > 8 else ''}. Hint: the running sum of the lengths, "
+            f"{who}: {name} is on {cu.device} but the query on {device}; expected one "
+            f"device. Hint: {name}.to(query.device)."
+        )
+    dtype = cu.dtype
+    integer = not (dtype.is_floating_point or dtype.is_complex or str(dtype) == "torch.bool")
+    if cu.ndim != 1 or cu.shape[0] < 2 or not integer:
+        raise _not_offsets(
+            name, who, f"{str(dtype).removeprefix('torch.')} of shape {tuple(cu.shape)}"
+        )
+
+
+def _not_offsets(name: str, who: str, got: str) -> ValueError:
+    return ValueError(
+        f"{who}: {name} must be integers of shape (B + 1,), got {got}. Hint: "
+        "torch.tensor([0, 3, 8], dtype=torch.int32) for sequences of 3 and 5 tokens."
+    )
+
+
+def check_offset_values(values: list[int], name: str, total: int, tokens: str, who: str) -> None:
+    """The offsets' values: 0 first, never decreasing, ``total`` (the tokens of
+    ``tokens``) last."""
+    if values[0] != 0 or any(b < a for a, b in pairwise(values)):
+        raise ValueError(
+            f"{who}: {name} must start at 0 and never decrease, got {values[:8]}"
+            f"{' ...' if len(values) > 8 else ''}. Hint: the running sum of the lengths, "
             "with a leading 0."
         )
-    if offsets[-1] != total:
+    if values[-1] != total:
         raise ValueError(
-            f"{who}: {name} ends at {offsets[-1]} but {tokens} has {total} "
+            f"{who}: {name} ends at {values[-1]} but {tokens} has {total} "
             f"tokens. Hint: its last entry is the total length."
         )
-    return offsets
 
 
-def check_max(starts: list[int], given: int, name: str, what: str) -> None:
+def check_max(
+    starts: list[int], given: Any, name: str, what: str, who: str = "varlen_attention"
+) -> None:
     """``given`` (max_seqlen) is an integer ≥ the longest sequence of ``starts``."""
     longest = max(b - a for a, b in pairwise(starts))
     if isinstance(given, bool) or not isinstance(given, int) or given < longest:
+        cu_name = name.replace("max_seqlen", "cu_seqlens")
         raise ValueError(
-            f"varlen_attention: {name} must be an integer ≥ the longest sequence's {what} "
-            f"({longest}), got {given!r}."
+            f"{who}: {name} must be an integer ≥ the longest sequence's {what} "
+            f"({longest}), got {given!r}. Hint: {name} = int({cu_name}.diff().max())."
         )
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from qkv.attention._backends import BackendName
 from qkv.attention._dispatch import scaled_dot_product_attention
 from qkv.attention._packed import check_max, offsets, packed_rule, window
-from qkv.masks import ScoreMod
+from qkv.masks import Mask, ScoreMod
 
 __all__ = ["varlen_attention"]
 
@@ -85,21 +85,13 @@ def varlen_attention(
         True
     """
     _check_tokens(query, key, value)
-    starts_q = offsets(cu_seqlens_q, "cu_seqlens_q", int(query.shape[0]), "query")
-    starts_k = offsets(cu_seqlens_k, "cu_seqlens_k", int(key.shape[0]), "key")
-    if len(starts_q) != len(starts_k):
-        raise ValueError(
-            f"varlen_attention: cu_seqlens_q has {len(starts_q)} entries and cu_seqlens_k "
-            f"{len(starts_k)}; expected the same B + 1. Hint: one entry per sequence and a "
-            "leading 0, for queries and keys alike."
-        )
-    check_max(starts_q, max_seqlen_q, "max_seqlen_q", "queries")
-    check_max(starts_k, max_seqlen_k, "max_seqlen_k", "keys")
-    left, right = window(window_size, is_causal)
+    total_q = int(query.shape[0])
+    rule = _rule(
+        query, key, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, window_size
+    )
     heads, kv_heads = int(query.shape[1]), int(key.shape[1])
-    if query.shape[0] == 0 or key.shape[0] == 0:
-        return query.new_zeros(int(query.shape[0]), heads, int(value.shape[2]))
-    rule = packed_rule(starts_q, starts_k, left, right)
+    if rule is None:  # no query or no key: nothing to attend
+        return query.new_zeros(total_q, heads, int(value.shape[2]))
     out = scaled_dot_product_attention(
         query.transpose(0, 1)[None],  # (1, H, total_q, D)
         key.transpose(0, 1)[None],  # (1, Hkv, total_k, D)
@@ -113,6 +105,58 @@ def varlen_attention(
         backend=backend,
     )  # (1, H, total_q, Dv)
     return out[0].transpose(0, 1)  # (total_q, H, Dv)
+
+
+def _rule(
+    query: Any,
+    key: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    max_seqlen_q: Any,
+    max_seqlen_k: Any,
+    is_causal: bool,
+    window_size: Any,
+) -> Mask | None:
+    """The checked offsets as the rule of the packed tokens (None when there is no query or
+    no key): read once to the host, or, while torch.compile traces, tensors whose values are
+    checked when the graph runs."""
+    import torch
+
+    total_q, total_k, device = int(query.shape[0]), int(key.shape[0]), query.device
+    left, right = window(window_size, is_causal)
+    if torch.compiler.is_compiling():
+        from qkv.attention._packed_graph import Sequences, graph_rule, traced_offsets
+
+        who = "varlen_attention"
+        cu_q = traced_offsets(
+            cu_seqlens_q, "cu_seqlens_q", total_q, "query", who, device,
+            ("max_seqlen_q", max_seqlen_q, "queries"),
+        )  # fmt: skip
+        cu_k = traced_offsets(
+            cu_seqlens_k, "cu_seqlens_k", total_k, "key", who, device,
+            ("max_seqlen_k", max_seqlen_k, "keys"),
+        )  # fmt: skip
+        _same_count(int(cu_q.shape[0]), int(cu_k.shape[0]))
+        if total_q == 0 or total_k == 0:
+            return None
+        return graph_rule(Sequences.of(cu_q, total_q), Sequences.of(cu_k, total_k), left, right)
+    starts_q = offsets(cu_seqlens_q, "cu_seqlens_q", total_q, "query", device=device)
+    starts_k = offsets(cu_seqlens_k, "cu_seqlens_k", total_k, "key", device=device)
+    _same_count(len(starts_q), len(starts_k))
+    check_max(starts_q, max_seqlen_q, "max_seqlen_q", "queries")
+    check_max(starts_k, max_seqlen_k, "max_seqlen_k", "keys")
+    if total_q == 0 or total_k == 0:
+        return None
+    return packed_rule(starts_q, starts_k, left, right)
+
+
+def _same_count(count_q: int, count_k: int) -> None:
+    if count_q != count_k:
+        raise ValueError(
+            f"varlen_attention: cu_seqlens_q has {count_q} entries and cu_seqlens_k "
+            f"{count_k}; expected the same B + 1. Hint: one entry per sequence and a "
+            "leading 0, for queries and keys alike."
+        )
 
 
 def _check_tokens(query: Any, key: Any, value: Any) -> None:

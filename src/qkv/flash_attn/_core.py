@@ -228,6 +228,11 @@ def attend(
     seed = draw_seed(None, torch_inputs=True) if dropout_p > 0 else 0
     gqa = heads != int(k.shape[1])
     lse: torch.Tensor | None = None
+    if torch.compiler.is_compiling() and (mod is not None or want_lse or want_probs):
+        out, row_lse, shown = _in_graph(q, k, v, where.mask, mod, scale, float(dropout_p), seed)
+        if want_lse:
+            lse = _flash_lse(row_lse, q.dtype, where, slopes if kernel_causal else None)
+        return Result(out, lse, shown if want_probs else None)
     if want_lse:
         out, lse = tiled_attention(
             q,
@@ -253,10 +258,70 @@ def attend(
             dropout_p=float(dropout_p),
             generator=seed,
         )
-    probs = None
+    probs: torch.Tensor | None = None
     if want_probs:
         probs = _probs(q, k, v, where.mask, mod, scale, gqa, float(dropout_p), seed)
     return Result(out, lse, probs)
+
+
+def _in_graph(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Mask | None,
+    mod: ScoreMod | None,
+    scale: float,
+    dropout_p: float,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The call as plain tensor operations, what a compiled graph holds when a score
+    modifier (softcap, ALiBi) or the log-sum-exp is asked for (qkv's dispatcher takes
+    neither into a graph): the (B, H, Lq, Lk) scores in float32 (float64 for float64
+    inputs), torch's autograd for the backward.
+
+    Returns:
+        The output (B, H, Lq, Dv) in q's dtype, the natural log-sum-exp (B, H, Lq) (−inf for
+        a row with no key; no gradient) and the probabilities (B, H, Lq, Lk), negative where
+        dropout drops them (no gradient).
+    """
+    from qkv.kernels._torch_sdpa import evaluate_rule
+
+    batch, heads, lq, lk = int(q.shape[0]), int(q.shape[1]), int(q.shape[2]), int(k.shape[2])
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    group = heads // int(k.shape[1])
+    keys = k.to(work).repeat_interleave(group, dim=1)  # (B, H, Lk, D)
+    values = v.to(work).repeat_interleave(group, dim=1)  # (B, H, Lk, Dv)
+    scores = q.to(work) @ keys.mT * scale  # (B, H, Lq, Lk)
+    if mod is not None:
+        b, h, i, j = (
+            torch.arange(n, device=q.device).view(shape)
+            for n, shape in (
+                (batch, (-1, 1, 1, 1)),
+                (heads, (1, -1, 1, 1)),
+                (lq, (1, 1, -1, 1)),
+                (lk, (1, 1, 1, -1)),
+            )
+        )
+        scores = mod(scores, b, h, i, j, lq, lk, torch_xp)
+    if mask is not None:
+        scores = scores.masked_fill(~evaluate_rule(mask, q, k), -math.inf)
+    top = scores.detach().amax(dim=-1, keepdim=True)  # (B, H, Lq, 1)
+    top = torch.where(torch.isfinite(top), top, torch.zeros((), dtype=work, device=q.device))
+    exp = torch.exp(scores - top)  # 0 for every key a row may not attend
+    total = exp.sum(dim=-1, keepdim=True)
+    probs = exp / torch.where(total > 0, total, torch.ones((), dtype=work, device=q.device))
+    lse = (top + torch.log(total.detach()))[..., 0]  # (B, H, Lq)
+    kept = probs
+    if dropout_p > 0:
+        keep = dropout_keep(dropout_p, seed).dense(
+            lq, lk, batch=batch, heads=heads, xp=torch_xp, device=q.device
+        )
+        kept = torch.where(keep, probs / (1.0 - dropout_p), torch.zeros_like(probs))
+        shown = torch.where(keep, probs, -probs).detach()
+    else:
+        shown = probs.detach()
+    out = (kept @ values).to(q.dtype)  # (B, H, Lq, Dv)
+    return out, lse, shown.to(q.dtype)
 
 
 def _flash_lse(

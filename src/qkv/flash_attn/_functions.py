@@ -9,15 +9,16 @@ backward pass always is).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import pairwise
 from typing import Any
 
 import torch
 
-from qkv.attention._packed import offsets, packed_rule
+from qkv.attention._packed import check_max, check_offsets_tensor, offsets, packed_rule
+from qkv.attention._packed_graph import Sequences, graph_rule, traced_offsets
 from qkv.flash_attn._core import (
     Positions,
-    Result,
     attend,
     check_block_table,
     check_dtypes,
@@ -308,6 +309,13 @@ def _varlen(
     block_table: Any = None,
 ) -> Any:
     """The packed functions: q (total_q, H, D), k and v (total_k, Hkv, D)."""
+    if block_table is not None and torch.compiler.is_compiling():
+        return _paged_outside_graph(
+            who, q, k, v, names, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+            return_attn_probs=return_attn_probs, block_table=block_table,
+        )  # fmt: skip
     check_dtypes(who, **{names[0]: q, names[1]: k, names[2]: v})
     if block_table is not None:
         k, v = _gather_pages(who, k, v, block_table, cu_seqlens_k)
@@ -325,27 +333,13 @@ def _varlen(
             f"{tuple(v.shape)} do not fit: expected k and v of one shape, with q's headdim.",
         )
     check_heads(who, int(q.shape[1]), int(k.shape[1]), names[1])
-    starts_q = offsets(cu_seqlens_q, "cu_seqlens_q", int(q.shape[0]), names[0], who)
-    starts_k = offsets(cu_seqlens_k, "cu_seqlens_k", int(k.shape[0]), names[1], who)
-    if len(starts_q) != len(starts_k):
-        raise fail(
-            who,
-            f"cu_seqlens_q has {len(starts_q)} entries and cu_seqlens_k {len(starts_k)}; "
-            "expected the same batch_size + 1. Hint: a leading 0, then one running total per "
-            "sequence, for queries and keys alike.",
-        )
-    for name, starts, given in (
-        ("max_seqlen_q", starts_q, max_seqlen_q),
-        ("max_seqlen_k", starts_k, max_seqlen_k),
-    ):
-        longest = max(b - a for a, b in pairwise(starts))
-        if isinstance(given, bool) or not isinstance(given, int) or given < longest:
-            raise fail(
-                who,
-                f"{name} must be an integer ≥ the longest sequence ({longest}), got {given!r}.",
-            )
     left, right = window(who, window_size, causal)
-    where = _varlen_positions(starts_q, starts_k, left, right, q.device)
+    cu = (cu_seqlens_q, cu_seqlens_k)
+    maxima = (max_seqlen_q, max_seqlen_k)
+    if torch.compiler.is_compiling():
+        where, unpack = _traced_positions(who, q, k, names, cu, maxima, left, right)
+    else:
+        where, unpack = _read_positions(who, q, k, names, cu, maxima, left, right)
     result = attend(
         who,
         q.transpose(0, 1)[None],
@@ -364,7 +358,107 @@ def _varlen(
     if not return_attn_probs:
         return out
     assert result.lse is not None and result.probs is not None
-    return out, result.lse[0], _unpack(result, starts_q, starts_k, max_seqlen_q, max_seqlen_k)
+    return out, result.lse[0], unpack(result.probs[0])
+
+
+Unpack = Callable[[torch.Tensor], torch.Tensor]
+"""The packed probabilities (H, total_q, total_k) as (batch, H, max_seqlen_q, max_seqlen_k)."""
+
+
+def _read_positions(
+    who: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    names: tuple[str, str, str],
+    cu: tuple[Any, Any],
+    maxima: tuple[Any, Any],
+    left: int | None,
+    right: int | None,
+) -> tuple[Positions, Unpack]:
+    """The offsets read to the host and checked, as the packed positions."""
+    starts_q = offsets(cu[0], "cu_seqlens_q", int(q.shape[0]), names[0], who, q.device)
+    starts_k = offsets(cu[1], "cu_seqlens_k", int(k.shape[0]), names[1], who, q.device)
+    _same_count(who, len(starts_q), len(starts_k))
+    check_max(starts_q, maxima[0], "max_seqlen_q", "queries", who)
+    check_max(starts_k, maxima[1], "max_seqlen_k", "keys", who)
+    where = _varlen_positions(starts_q, starts_k, left, right, q.device)
+
+    def unpack(packed: torch.Tensor) -> torch.Tensor:
+        return _unpack(packed, starts_q, starts_k, maxima[0], maxima[1])
+
+    return where, unpack
+
+
+def _traced_positions(
+    who: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    names: tuple[str, str, str],
+    cu: tuple[Any, Any],
+    maxima: tuple[Any, Any],
+    left: int | None,
+    right: int | None,
+) -> tuple[Positions, Unpack]:
+    """The packed positions as tensor operations on the offsets, whose values the graph
+    checks when it runs (what torch.compile traces: nothing is read)."""
+    total_q, total_k = int(q.shape[0]), int(k.shape[0])
+    cu_q = traced_offsets(
+        cu[0], "cu_seqlens_q", total_q, names[0], who, q.device,
+        ("max_seqlen_q", maxima[0], "queries"),
+    )  # fmt: skip
+    cu_k = traced_offsets(
+        cu[1], "cu_seqlens_k", total_k, names[1], who, q.device,
+        ("max_seqlen_k", maxima[1], "keys"),
+    )  # fmt: skip
+    _same_count(who, int(cu_q.shape[0]), int(cu_k.shape[0]))
+    seq_q, seq_k = Sequences.of(cu_q, total_q), Sequences.of(cu_k, total_k)
+    where = Positions(
+        seq_q=seq_q.ids[None],
+        rel_q=seq_q.place("bottom-right")[None],
+        seq_k=seq_k.ids[None],
+        rel_k=seq_k.place("bottom-right")[None],
+        keys_q=seq_k.lengths[seq_q.ids][None],
+        sequences=int(cu_q.shape[0]) - 1,
+        mask=graph_rule(seq_q, seq_k, left, right),
+    )
+    batch = int(cu_q.shape[0]) - 1
+
+    def unpack(packed: torch.Tensor) -> torch.Tensor:
+        """Each packed pair of one sequence to its place in (batch, H, max_q, max_k): the
+        other pairs add 0 at places in range, so no value decides a shape."""
+        heads = int(packed.shape[0])
+        out = packed.new_zeros(batch, maxima[0], maxima[1], heads)
+        same = (seq_q.ids[:, None] == seq_k.ids[None, :])[..., None]  # (total_q, total_k, 1)
+        rows = (torch.arange(total_q, device=q.device) - seq_q.first)[:, None]
+        cols = (torch.arange(total_k, device=q.device) - seq_k.first)[None, :]
+        index = (
+            seq_q.ids[:, None].expand(total_q, total_k),
+            rows.clamp(max=maxima[0] - 1).expand(total_q, total_k),
+            cols.clamp(max=maxima[1] - 1).expand(total_q, total_k),
+        )
+        pairs = torch.where(same, packed.permute(1, 2, 0), 0)  # (total_q, total_k, H)
+        return out.index_put(index, pairs, accumulate=True).permute(0, 3, 1, 2)
+
+    return where, unpack
+
+
+def _same_count(who: str, count_q: int, count_k: int) -> None:
+    if count_q != count_k:
+        raise fail(
+            who,
+            f"cu_seqlens_q has {count_q} entries and cu_seqlens_k {count_k}; expected the "
+            "same batch_size + 1. Hint: a leading 0, then one running total per sequence, "
+            "for queries and keys alike.",
+        )
+
+
+_paged_outside_graph: Callable[..., Any] = torch.compiler.disable(  # type: ignore[no-untyped-call]
+    _varlen,
+    reason="flash_attn_varlen_func with block_table runs outside the compiled graph: how "
+    "many keys it gathers from the pages is cu_seqlens_k's last value, which a graph cannot "
+    "read while it is traced",
+)
+"""The paged varlen call, eagerly (a graph break; ``fullgraph=True`` raises with its reason)."""
 
 
 def _gather_pages(
@@ -378,6 +472,8 @@ def _gather_pages(
             f"with block_table, k and v must be pages of one shape (num_blocks, "
             f"page_block_size, nheads_k, headdim), got {tuple(k.shape)} and {tuple(v.shape)}.",
         )
+    if isinstance(cu_seqlens_k, torch.Tensor):
+        check_offsets_tensor(cu_seqlens_k, "cu_seqlens_k", who, k.device)
     ends = torch.as_tensor(cu_seqlens_k).flatten()
     total = int(ends[-1]) if ends.numel() else 0
     starts = offsets(cu_seqlens_k, "cu_seqlens_k", total, "the pages", who)
@@ -406,11 +502,9 @@ def _gather_pages(
 
 
 def _unpack(
-    result: Result, starts_q: list[int], starts_k: list[int], max_q: int, max_k: int
+    packed: torch.Tensor, starts_q: list[int], starts_k: list[int], max_q: int, max_k: int
 ) -> torch.Tensor:
-    """The packed probabilities (1, H, total_q, total_k) as (batch, H, max_q, max_k)."""
-    assert result.probs is not None
-    packed = result.probs[0]
+    """The packed probabilities (H, total_q, total_k) as (batch, H, max_q, max_k)."""
     out = packed.new_zeros(len(starts_q) - 1, packed.shape[0], max_q, max_k)
     for s, ((q0, q1), (k0, k1)) in enumerate(
         zip(pairwise(starts_q), pairwise(starts_k), strict=True)

@@ -19,6 +19,7 @@ import torch
 from qkv._array import DtypeMismatchError, check_scale
 from qkv.kernels._api import run_tiled
 from qkv.kernels._flex_masks import BLOCK_MASKS, run_flex
+from qkv.kernels._flex_mods import check_mods
 from qkv.masks import EMPTY, FULL, PARTIAL, Mask, ScoreMod
 from qkv.masks._scores import as_score_mod
 
@@ -69,8 +70,13 @@ def flex_attention(
 
     Raises:
         ValueError: shapes that do not fit, a ``block_mask`` made for other lengths or
-            batch, inputs on several devices, a ``score_mod`` that returns no scores.
-        TypeError: not tensors, a ``scale`` that is not a finite number.
+            batch, inputs on several devices; on CPU, a ``score_mod`` or ``mask_mod`` that
+            does not act on each score alone (a result of another shape than one per score,
+            say a ``sum`` over the scores: qkv calls it on broadcasting blocks, torch one
+            score at a time).
+        TypeError: not tensors, a ``scale`` that is not a finite number; on CPU, a
+            ``score_mod`` returning integers or booleans, a ``mask_mod`` returning anything
+            but booleans.
         qkv.DtypeMismatchError: query, key and value of different dtypes (both a
             TypeError and a ValueError).
 
@@ -94,6 +100,7 @@ def flex_attention(
     if query.device.type == "cuda":
         return _on_cuda(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse)
     rule = _as_rule(block_mask, batch, query.shape[1], q_len, kv_len)
+    check_mods(score_mod, block_mask, query, key)
     out, lse = run_tiled(
         query,
         key,

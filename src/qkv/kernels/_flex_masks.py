@@ -21,20 +21,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import inspect
 import threading
 import types
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import array_api_compat.torch as torch_xp
-import numpy as np
 import torch
 
-from qkv.masks import FULL, PARTIAL, Mask, RuleCache, ScoreMod
+from qkv.kernels._fingerprint import ByIdentity, fingerprint
+from qkv.masks import FULL, PARTIAL, Mask, ScoreMod
 
 __all__ = [
     "BLOCK_MASKS",
@@ -394,7 +392,7 @@ class BlockMaskCache:
         values at each call): ``torch.compile`` then reuses its compiled kernel."""
         if modifier is None and bias is None:
             return None
-        tensor_key = None if bias is None else _Same(bias)
+        tensor_key = None if bias is None else ByIdentity(bias)
         full_key = (fingerprint(modifier), tensor_key, q_len, kv_len, str(device), dtype)
         with self._lock:
             found = self._mods.get(full_key)
@@ -406,117 +404,6 @@ class BlockMaskCache:
             while len(self._mods) > self.size:
                 self._mods.popitem(last=False)
             return made
-
-
-class _Same:
-    """An object in a cache key, compared by identity (the key holds it, so its id is not
-    reused while the entry lives)."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: object) -> None:
-        self.obj = obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Same) and other.obj is self.obj
-
-
-_SMALL_TENSOR = 1 << 16
-_DEPTH = 16
-
-
-def fingerprint(obj: object) -> Hashable:
-    """A cache key for a rule or modifier: equal for two that compute the same thing.
-
-    qkv's modules build new rules at every call (``mask & causal()``, ``alibi(slopes)``,
-    ``key_padding(lengths)``): keyed by identity, the cache would miss at every step. The
-    key is the rule's code and, recursively, what it closes over and the module-level names
-    it reads: numbers and strings by value, lists, tuples, dictionaries, NumPy arrays and
-    small CPU tensors (≤ 65,536 elements, no gradient) by content, modules by name, other
-    tensors and objects by identity (a rule that reads an object's attributes is keyed by the
-    object: give a new rule when they change). A rule's own caches
-    (:class:`qkv.masks.RuleCache`) are left out. An array that the rule reaches several
-    times (its query and key ids, views of one buffer) is hashed once per key. A
-    :attr:`~qkv.masks.Mask.pure` rule (built-in rules and their combinations: they never
-    change) is hashed once while it lives, so a rule reused at every call costs one look-up.
-    """
-    if isinstance(obj, Mask) and obj.pure:
-        found = _MASK_FINGERPRINTS.get(obj)
-        if found is None:
-            found = _fingerprint(obj, 0, {})
-            _MASK_FINGERPRINTS[obj] = found
-        return found
-    return _fingerprint(obj, 0, {})
-
-
-_MASK_FINGERPRINTS: weakref.WeakKeyDictionary[Mask, Hashable] = weakref.WeakKeyDictionary()
-
-
-def _fingerprint(obj: object, depth: int, digests: dict[Hashable, bytes]) -> Hashable:
-    """:func:`fingerprint`, with the digests of the arrays met so far (by buffer address,
-    shape, strides and dtype: the same bytes within one call)."""
-    if depth > _DEPTH:
-        return _Same(obj)
-    if obj is None or isinstance(obj, bool | int | float | str | bytes | torch.dtype):
-        return (type(obj).__name__, obj)
-    if isinstance(obj, torch.device):
-        return ("device", str(obj))
-    if isinstance(obj, Mask | ScoreMod):
-        parts = tuple(
-            (name, _fingerprint(value, depth + 1, digests)) for name, value in vars(obj).items()
-        )
-        return (type(obj).__name__, parts)
-    if isinstance(obj, types.FunctionType):
-        cells: list[Hashable] = []
-        for cell in obj.__closure__ or ():
-            try:
-                contents = cell.cell_contents
-            except ValueError:  # a cell not filled yet
-                cells.append(("empty",))
-                continue
-            cells.append(_fingerprint(contents, depth + 1, digests))
-        defaults = _fingerprint(obj.__defaults__, depth + 1, digests)
-        names = tuple(
-            (name, _fingerprint(obj.__globals__[name], depth + 1, digests))
-            for name in obj.__code__.co_names
-            if name in obj.__globals__
-        )
-        return ("function", obj.__code__, tuple(cells), defaults, names)
-    if isinstance(obj, types.ModuleType):
-        return ("module", obj.__name__)
-    if isinstance(obj, list | tuple):
-        return (type(obj).__name__, tuple(_fingerprint(x, depth + 1, digests) for x in obj))
-    if isinstance(obj, RuleCache):
-        return ("cache",)
-    if isinstance(obj, dict):
-        items = ((repr(key), _fingerprint(value, depth + 1, digests)) for key, value in obj.items())
-        return ("dict", tuple(sorted(items, key=lambda item: item[0])))
-    if isinstance(obj, np.ndarray):
-        where: Hashable = (
-            obj.__array_interface__["data"][0],
-            obj.shape,
-            obj.strides,
-            obj.dtype.str,
-        )
-        if where not in digests:
-            data = np.ascontiguousarray(obj).tobytes()
-            digests[where] = hashlib.blake2b(data, digest_size=16).digest()
-        return ("ndarray", obj.shape, str(obj.dtype), digests[where])
-    if isinstance(obj, np.generic):
-        return ("numpy", obj.item())
-    if isinstance(obj, torch.Tensor):
-        small = obj.numel() <= _SMALL_TENSOR and obj.device.type == "cpu"
-        if small and not obj.requires_grad:
-            where = ("tensor", obj.data_ptr(), tuple(obj.shape), obj.stride(), str(obj.dtype))
-            if where not in digests:
-                data = obj.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-                digests[where] = hashlib.blake2b(data, digest_size=16).digest()
-            return ("tensor", tuple(obj.shape), str(obj.dtype), digests[where])
-        return _Same(obj)
-    return _Same(obj)
 
 
 BLOCK_MASKS = BlockMaskCache(CACHE_SIZE)
