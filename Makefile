@@ -68,7 +68,7 @@ $(VENV)/.installed: $(VENV)/bin/python pyproject.toml constraints.txt
 	@touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(PIP) -e '.[all,dev]' $(LOGGED)
+	$(PIP) -e '.[all,dev,interp]' $(LOGGED)
 	@touch $@
 
 # Installed only where missing (file targets: make skips them when the program exists).

@@ -35,7 +35,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 _SUBMODULES = (
     "examples", "render", "cli", "nn", "positional", "check", "kernels",
-    "embeddings", "data", "train", "distributed", "hf", "edits", "flash_attn",
+    "embeddings", "data", "train", "distributed", "hf", "edits", "flash_attn", "interp",
 )  # fmt: skip
 
 _EDITS = ("intervene", "patching", "head_stats", "logit_diff", "prob")
