@@ -250,7 +250,9 @@ def test_auto_never_compiles_for_a_single_call_or_when_turned_off(
     assert "these have run 0" in dict(report.reasons)["flex"]
     monkeypatch.setenv("QKV_AUTO_COMPILE", "0")
     COMPILED.calls[
-        qkv.attention._backend_flex.cpu_run_key(qkv.attention._dispatch.make_call(q, k, v, mask=rule))
+        qkv.attention._backend_flex.cpu_run_key(
+            qkv.attention._dispatch.make_call(q, k, v, mask=rule)
+        )
     ] = 99
     assert "QKV_AUTO_COMPILE=0" in dict(qkv.explain_dispatch(q, k, v, mask=rule).reasons)["flex"]
     # no rule: nothing to skip, auto stays on sdpa or tiled

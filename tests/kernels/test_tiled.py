@@ -211,6 +211,23 @@ def test_rows_of_equal_scores_under_a_mask_are_exact_as_in_the_reference() -> No
     assert torch.equal(got_dv[:, :, 16:], expected_dv[:, :, 16:])  # keys seen by 16 rows
 
 
+def test_a_column_of_ones_in_the_values_comes_out_exactly_one() -> None:
+    """A column of V that is 1 at every key (the others random), under a causal mask and a
+    bias: that column of the output is exactly 1, as the reference's softmax sums to 1 and
+    SDPA gives it. The kernel sees the constant column and sums each row's l in the same
+    products as the context; with l summed apart (the fast path of every other call) the
+    division misses 1 by an ulp in some rows, which the second half checks."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 300, 16, generator=g) * 2 for _ in "qkv")
+    v[..., 3] = 1.0
+    bias = torch.randn(300, 300, generator=g)
+    out = tiled_attention(q, k, v, bias=bias, is_causal=True)
+    assert torch.equal(out[..., 3], torch.ones_like(out[..., 3]))
+    with mock.patch.object(_forward, "constant_column", return_value=False):
+        apart = tiled_attention(q, k, v, bias=bias, is_causal=True)
+    assert not torch.equal(apart[..., 3], torch.ones_like(apart[..., 3]))
+
+
 def test_values_whose_weighted_sum_overflows_without_the_max_still_come_out_finite() -> None:
     q, k = (torch.randn(1, 1, 16, 4) for _ in "qk")
     v = torch.randn(1, 1, 16, 4) * 1e30

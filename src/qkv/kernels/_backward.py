@@ -15,15 +15,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qkv.kernels._block_scores import block_scores, dropout_block
 from qkv.kernels._blockwise import (
     LN2,
     Buffers,
     Group,
     Indices,
     Problem,
-    block_scores,
     columns_of,
-    dropout_block,
     finite_or_zero,
     kv_block,
     nonfinite,
@@ -66,6 +65,9 @@ def attention_backward(
     if grad_lse is not None:
         delta = delta - grad_lse
     shift, inverse = normaliser  # a fully masked row has 1/l = 0: weights 0
+    # Most rows have m = 0 (the forward held the shift there): a query block subtracts its
+    # rows' shifts only when one of them is not 0, a pass fewer over each block.
+    shifted = torch.cumsum((shift != 0).any(dim=1).any(dim=0), dim=0).tolist()  # (Lq,)
     dk = torch.empty_like(k)  # every key block's task writes its rows (zeros if none)
     dv = torch.empty_like(v)
     shared_bias_grad = None
@@ -96,7 +98,7 @@ def attention_backward(
         values = v[g] if special is None else special.clean[g]
         # The queries scaled once (each query block meets every key block).
         scaled = torch.mul(group.q, problem.scale * problem.units)
-        rows = _RowData(grad_out[g], shift[g], inverse[g], delta[g], scaled)
+        rows = _RowData(grad_out[g], shift[g], inverse[g], delta[g], scaled, shifted)
         for k0, k1, queries in columns_of(group.kinds, problem.plan, q_len, kv_len, group):
 
             def task(
@@ -153,13 +155,21 @@ class _Scratch:
 @dataclass
 class _RowData:
     """Per-row tensors of one group: dO (Bg, H, Lq, Dv), the shift m, 1/l and Δ (Bg, H, Lq),
-    and the queries times the scale (and log2 e), (Bg, H, Lq, D)."""
+    and the queries times the scale (and log2 e), (Bg, H, Lq, D); ``shifted`` counts the
+    query positions up to each one (inclusive) where some row of the call has m ≠ 0."""
 
     grad_out: torch.Tensor
     shift: torch.Tensor
     inverse: torch.Tensor
     delta: torch.Tensor
     scaled_q: torch.Tensor
+    shifted: list[int]
+
+    def shift_of(self, kv_heads: int, q0: int, q1: int) -> torch.Tensor | None:
+        """The shifts of the rows q0:q1, (Bg·Hkv, G·bq, 1), or None when all are 0."""
+        if self.shifted[q1 - 1] == (self.shifted[q0 - 1] if q0 > 0 else 0):
+            return None
+        return row_block(self.shift, kv_heads, q0, q1).unsqueeze(-1)
 
 
 def _backward_column(
@@ -188,7 +198,7 @@ def _backward_column(
         block = (q0, q1, k0, k1)
         q_block = row_block(rows.scaled_q, kv_heads, q0, q1)  # a view unless GQA
         d_out = row_block(rows.grad_out, kv_heads, q0, q1)  # (Bg·Hkv, G·bq, Dv)
-        row_shift = row_block(rows.shift, kv_heads, q0, q1).unsqueeze(-1)
+        row_shift = rows.shift_of(kv_heads, q0, q1)
         row_inverse = row_block(rows.inverse, kv_heads, q0, q1).unsqueeze(-1)
         row_delta = row_block(rows.delta, kv_heads, q0, q1).unsqueeze(-1)
         out_buffer = scratch.buffers.get((group.rows, q_block.shape[1], k1 - k0), q_block)

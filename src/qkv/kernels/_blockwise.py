@@ -1,5 +1,6 @@
 """The pieces of the tiled kernel shared by its forward and backward passes: the problem,
-the layout of blocks, and the scores of one block (scaled, biased, modified, masked).
+the layout of blocks and their runs, the evaluated masks of partial blocks, and values that
+hold NaN or ±inf. The scores of one block and their weights: :mod:`qkv.kernels._block_scores`.
 
 Layout (one matrix product serves every head of the batch, and the query heads that share a
 key/value head, GQA, are stacked along the rows):
@@ -11,7 +12,6 @@ key/value head, GQA, are stacked along the rows):
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 from collections import OrderedDict
@@ -27,11 +27,6 @@ from qkv.masks import EMPTY, FULL, Mask, ScoreMod
 NEG_INF = float("-inf")
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
-EXP_FLOOR = -80.0
-"""Scores more than 80 below their row's maximum are raised to it before exp (see
-:meth:`BlockScores.exp_`)."""
-_NORMAL_FLOOR2 = -126.0  # 2**-126 and e**-87: the smallest normal float32 exponents
-_NORMAL_FLOOR = -87.0
 
 
 @dataclass(frozen=True)
@@ -291,7 +286,7 @@ _KEPT_MASK_BLOCKS = 1 << 14
 _kept_masks = _KeptMasks(_KEPT_MASK_BYTES)
 
 
-def _partial_mask(
+def partial_mask(
     problem: Problem, group: Group, index: Indices, q0: int, q1: int, k0: int, k1: int
 ) -> tuple[bool, torch.Tensor | None]:
     """(empty, allowed) of a partial block: ``empty`` when nothing is allowed (the block is
@@ -313,145 +308,6 @@ def _partial_mask(
     if key is not None:
         _kept_masks.put(key, problem.plan, allowed)
     return allowed is _NOTHING, allowed
-
-
-@dataclass(frozen=True)
-class RowShift:
-    """The fixed shift of some rows of a query block's scores: ``rows`` (n,) indices into its
-    rows flattened, (Bg·Hkv·G·bq), and ``amounts`` (n, 1) each one's shift."""
-
-    rows: torch.Tensor
-    amounts: torch.Tensor
-
-    def full(self, like: torch.Tensor) -> torch.Tensor:
-        """The shift of every row, 0 where none is given, shaped as ``like`` (…, 1)."""
-        every = torch.zeros(like.numel(), 1, dtype=like.dtype, device=like.device)
-        every[self.rows] = self.amounts
-        return every.view(like.shape)
-
-
-@dataclass
-class BlockScores:
-    """The scores of one block and what turns them into weights.
-
-    Attributes:
-        values: (Bg·Hkv, G·bq, bk) scaled, biased, modified and masked scores.
-        shape4: (Bg, H, bq, bk), the layout masks and modifiers see.
-        allowed: True where allowed, broadcastable to ``shape4``; None when the whole block
-            is allowed.
-        raw: the scores before the score modifier, when its gradient is needed.
-        blocked: a score may be −inf where the mask allows it (``Problem.blocked_scores``).
-    """
-
-    values: torch.Tensor
-    shape4: tuple[int, int, int, int]
-    base2: bool
-    allowed: torch.Tensor | None = None
-    raw: torch.Tensor | None = None
-    blocked: bool = False
-
-    def exp_(self, shift: torch.Tensor, values: torch.Tensor | None = None) -> torch.Tensor:
-        """exp(values − shift) (exp2 in log2 units), in place, with exact zeros where masked.
-
-        exp(x) is several times slower on CPUs where it underflows (x < −87 in float32, and
-        −inf), so x is first raised to :data:`EXP_FLOOR`: a weight below e^−80 ≈ 2e−35 of
-        exp(shift) (the row's running maximum; in the backward pass the forward's shift,
-        whose own weight is part of l) becomes 2e−35 of it (far below any rounding), and the
-        masked ones are then multiplied by 0.
-        """
-        target = self.values if values is None else values
-        return self._exp_(target.sub_(shift), EXP_FLOOR)
-
-    def exp_fixed_(self, shift: RowShift | None, *, floor: bool) -> torch.Tensor:
-        """exp(values − shift) (exp2 in log2 units), in place: the weights with each row's
-        shift fixed (not its running maximum). ``shift`` names the rows shifted and by how
-        much (finite), every other row's shift is 0; None shifts none (no pass at all).
-
-        Masked scores are −inf and become exact zeros. With ``floor`` (a bias or a score
-        modifier such as ALiBi may put finite scores far below the shift), scores are first
-        raised to the smallest normal float's exponent, below which exp is several times
-        slower.
-        """
-        lowest = _NORMAL_FLOOR2 if self.base2 else _NORMAL_FLOOR
-        if shift is not None:
-            flat = self.values.view(-1, self.values.shape[-1])  # (Bg·Hkv·G·bq, bk)
-            flat[shift.rows] = flat[shift.rows] - shift.amounts
-        return self._exp_(self.values, lowest if floor else None)
-
-    def _exp_(self, x: torch.Tensor, floor: float | None) -> torch.Tensor:
-        """exp(x) in place; with a floor, x is first raised to it and masked weights (no
-        longer exp(−inf) = 0) are then set to 0, as are the weights of −inf scores when the
-        block may hold them (a −inf bias is a mask: weight exactly 0, as in the reference)."""
-        dead = x == NEG_INF if floor is not None and self.blocked else None
-        if floor is not None:
-            x.clamp_(min=floor)
-        weights = x.exp2_() if self.base2 else x.exp_()
-        if floor is not None and self.allowed is not None:
-            weights.view(self.shape4).mul_(self.allowed)
-        if dead is not None:
-            weights.masked_fill_(dead, 0.0)
-        return weights
-
-
-def block_scores(
-    problem: Problem,
-    group: Group,
-    index: Indices,
-    q_block: torch.Tensor,
-    block: tuple[int, int, int, int],
-    kind: int,
-    out: torch.Tensor,
-    *,
-    keep_raw: bool = False,
-) -> BlockScores | None:
-    """The scaled, biased, modified and masked scores of one block, (Bg·Hkv, G·bq, bk).
-
-    Returns None when the block's mask turns out empty (nothing to do). With ``keep_raw``
-    (the backward pass of a score modifier), the scores before the modifier are kept, and
-    the modified scores are computed under autograd.
-    """
-    q0, q1, k0, k1 = block
-    batch, heads = group.q.shape[0], group.q.shape[1]
-    shape4 = (batch, heads, q1 - q0, k1 - k0)
-    allowed: torch.Tensor | None = None
-    if kind != FULL:
-        empty, allowed = _partial_mask(problem, group, index, q0, q1, k0, k1)
-        if empty:
-            return None
-    scores = torch.bmm(q_block, group.keys_t(k0, k1), out=out)
-    view = scores.view(shape4)  # h = kv_head · G + g
-    if group.bias is not None:
-        view.add_(group.bias[:, :, q0:q1, k0:k1], alpha=problem.units)
-    if problem.score_mod is not None:
-        b, h, qi, ki = index.at(q0, q1, k0, k1)
-        raw = view.detach().clone().requires_grad_(True) if keep_raw else None
-        with torch.enable_grad() if keep_raw else contextlib.nullcontext():
-            modified = problem.score_mod(
-                view if raw is None else raw, b, h, qi, ki, index.q_len, index.kv_len, torch_xp
-            )
-            # A result that broadcasts (it ignores some index) gets memory of its own: the
-            # weights are computed from it in place.
-            modified = modified.expand(shape4).contiguous()
-            if allowed is not None:
-                modified = modified.masked_fill(allowed.logical_not(), NEG_INF)
-            values = modified.reshape(scores.shape)
-        return BlockScores(values, shape4, problem.base2, allowed, raw, problem.blocked_scores)
-    if allowed is not None:
-        if problem.exact_masking:  # a masked score may be NaN: overwrite it
-            view.masked_fill_(allowed.logical_not(), NEG_INF)
-        else:  # adding 0 / −inf is many times faster than masked_fill on CPUs
-            view.add_(torch.where(allowed, 0.0, NEG_INF))
-    return BlockScores(scores, shape4, problem.base2, allowed, blocked=problem.blocked_scores)
-
-
-def dropout_block(
-    problem: Problem, index: Indices, block: tuple[int, int, int, int]
-) -> torch.Tensor:
-    """The dropout pattern of one block, (Bg, H, bq, bk) booleans."""
-    assert problem.keep is not None
-    b, h, qi, ki = index.at(*block)
-    keep: torch.Tensor = problem.keep(b, h, qi, ki, index.q_len, index.kv_len, torch_xp)
-    return keep
 
 
 RUN_ELEMENTS = 1 << 19

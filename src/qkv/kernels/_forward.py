@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from qkv.kernels._block_scores import RowShift, block_scores, dropout_block, level_rows
 from qkv.kernels._blockwise import (
     LN2,
     NEG_INF,
@@ -23,10 +25,7 @@ from qkv.kernels._blockwise import (
     Group,
     Indices,
     Problem,
-    RowShift,
-    block_scores,
     blocks_of,
-    dropout_block,
     kv_block,
     nonfinite,
     put_back_nonfinite,
@@ -40,11 +39,20 @@ __all__ = ["attention_forward"]
 
 SUMS_IN_PRODUCTS = 16
 """The fewest queries of a call for which the forward pass appends a column of ones to the
-values (a copy of V, O(Lk · Dv), against O(Lq · Lk · D) of work): one decoding step (Lq = 1)
-would pay for the copy as much as for its attention."""
+values when it does (see :func:`constant_column`): a copy of V, O(Lk · Dv), against
+O(Lq · Lk · D) of work; one decoding step (Lq = 1) would pay for the copy as much as for
+its attention."""
 
-Rows = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-"""(context, lse, m, 1/l) of a query block's rows: see :func:`attention_forward`."""
+
+@dataclass(frozen=True)
+class _Dest:
+    """A query block's rows of the results, written in place: the context (Bg, Hkv, G, bq, Dv),
+    and the lse, shift m and 1/l (Bg, Hkv, G, bq) each (views of the call's tensors)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    shift: torch.Tensor
+    inverse: torch.Tensor
 
 
 def attention_forward(
@@ -73,7 +81,7 @@ def attention_forward(
     grouped_rows = rows.view(3, batch, kv_heads, heads // kv_heads, q_len)
     special = nonfinite(v) if problem.masks_keys else None
     given = v if special is None else special.clean
-    if problem.keep is None and q_len >= SUMS_IN_PRODUCTS:  # l from the products: _accumulate
+    if problem.keep is None and q_len >= SUMS_IN_PRODUCTS and constant_column(given):
         given = torch.cat([given, given.new_ones((*given.shape[:3], 1))], dim=3)
     tasks: list[tuple[int, Callable[[Buffers], None]]] = []
     for group in split_groups(q, k, v, bias, problem):
@@ -94,24 +102,32 @@ def attention_forward(
                 q1: int = q1,
                 keys: list[tuple[int, int, int]] = keys,
             ) -> None:
-                rows_out = grouped_out[g, :, :, q0:q1]
-                rows_lse, rows_shift, rows_inverse = grouped_rows[:, g, :, :, q0:q1]
-                dest = (rows_out, rows_lse)
-                context, row_lse, row_shift, row_inverse = _forward_rows(
-                    problem, group, index, values, hits, q0, q1, keys, buffers, dest
-                )
-                if context is not rows_out:
-                    rows_out.copy_(context.view(rows_out.shape))
-                if row_lse is not rows_lse:
-                    rows_lse.copy_(row_lse.view(rows_lse.shape))
-                rows_shift.copy_(row_shift.view(rows_shift.shape))
-                rows_inverse.copy_(row_inverse.view(rows_inverse.shape))
+                dest = _Dest(grouped_out[g, :, :, q0:q1], *grouped_rows[:, g, :, :, q0:q1])
+                _forward_rows(problem, group, index, values, hits, q0, q1, keys, buffers, dest)
 
             tasks.append((sum(k1 - k0 for k0, k1, _ in keys), task))
     # The longest tasks first: the threads then finish together (causal rows differ in length).
     ordered = [task for _, task in sorted(tasks, key=lambda pair: -pair[0])]
     run_tasks(ordered, Buffers, on_cpu=q.device.type == "cpu")
     return out, lse, shift, inverse
+
+
+def constant_column(values: torch.Tensor) -> bool:
+    """Whether some column of ``values`` (B, Hkv, Lk, Dv) holds one number at every key, for
+    some batch element and head (all-ones values, a constant feature): then the forward
+    pass sums each row's l in the same products as its context, so that such a column of
+    the context comes out exactly as that number wherever the reference's does (values of
+    1: exactly 1). One look at the first and last keys, and a whole pass only where they
+    agree.
+
+    Example:
+        >>> constant_column(torch.ones(1, 2, 5, 3)), constant_column(torch.rand(1, 2, 5, 3))
+        (True, False)
+    """
+    first = values[:, :, :1]
+    if not bool((values[:, :, -1:] == first).any()):
+        return False
+    return bool((values == first).all(dim=2).any())
 
 
 def _forward_rows(
@@ -124,12 +140,10 @@ def _forward_rows(
     q1: int,
     keys: list[tuple[int, int, int]],
     buffers: Buffers,
-    dest: tuple[torch.Tensor, torch.Tensor],
-) -> Rows:
-    """One query block against its key blocks: (context, lse, m, 1/l) rows (Bg·Hkv, G·bq, ·).
-    ``dest`` is the block's rows of the output and of the lse, (Bg, Hkv, G, bq, Dv) and
-    (Bg, Hkv, G, bq): the context, and the lse when it can be, are written there and
-    returned as those tensors (no copy).
+    dest: _Dest,
+) -> None:
+    """One query block against its key blocks: its rows of the context, lse, m and 1/l,
+    written into ``dest``.
 
     First with a fixed shift (:func:`_accumulate`), which fails only for rows whose scores
     are far from it (or masked whole); those blocks run again with the running max.
@@ -137,13 +151,11 @@ def _forward_rows(
     kv_heads = group.k.shape[1]
     q_block = query_block(group.q, kv_heads, q0, q1, problem.scale * problem.units)
     block = (group, index, values, q_block, q0, q1, keys, buffers, dest)
-    if hits is None:  # non-finite values need the weights of every allowed key positive
-        found = _accumulate(problem, *block, None, running_max=False)
-        if found is not None:
-            return found
-    result = _accumulate(problem, *block, hits, running_max=True)
-    assert result is not None  # the running max never gives up
-    return result
+    # Non-finite values need the weights of every allowed key positive: the running max.
+    if hits is None and _accumulate(problem, *block, None, running_max=False):
+        return
+    done = _accumulate(problem, *block, hits, running_max=True)
+    assert done  # the running max never gives up
 
 
 def _accumulate(
@@ -156,32 +168,34 @@ def _accumulate(
     q1: int,
     keys: list[tuple[int, int, int]],
     buffers: Buffers,
-    dest: tuple[torch.Tensor, torch.Tensor],
+    dest: _Dest,
     hits: torch.Tensor | None,
     *,
     running_max: bool,
-) -> Rows | None:
-    """The online softmax over the key blocks: (context, lse, m, 1/l) rows, or None, with
-    lse = m + log l in natural units (m is in the units of the scores).
+) -> bool:
+    """The online softmax over the key blocks, its rows written into ``dest`` with
+    lse = m + log l in natural units (m is in the units of the scores); False if it gave
+    up (then ``dest`` holds nothing of use).
 
     With ``running_max``, the FlashAttention update: each row's scores are shifted by their
     running maximum m, and a block that raises it to m' rescales the sums by exp(m − m').
     Without, m stays fixed: no maximum of each block and no rescaling. It is 0 (the weights
     are exp(s) themselves: not even a subtraction), except in the rows whose scores in the
-    first key block are all equal (:func:`_level_rows`): there it is that score, so that
-    such a row gets weights of exactly 1, as in the reference (exp(s) of equal scores
-    rounds, and the context missed by 1e-6). That is exact while every row's sum of weights
-    l stays within [2⁻⁶⁰, 2¹⁰⁰]: no weight overflows, and a weight that underflows is below
-    2⁻⁶⁶ of the row's largest. Otherwise (or if the context overflows) it returns None,
-    checked after the first block and at the end.
+    first key block are all equal (:func:`~qkv.kernels._block_scores.level_rows`): there it
+    is that score, so that such a row gets weights of exactly 1, as in the reference
+    (exp(s) of equal scores rounds, and the context missed by 1e-6). That is exact while
+    every row's sum of weights l stays within [2⁻⁶⁰, 2¹⁰⁰]: no weight overflows, and a
+    weight that underflows is below 2⁻⁶⁶ of the row's largest. Otherwise (or if the
+    context overflows) it gives up, checked after the first block and at the end.
 
-    Without dropout, ``values`` carry a last column of ones (when the call has at least
-    :data:`SUMS_IN_PRODUCTS` queries), so each row's sum of weights l is the last column of
-    acc, summed by the same matrix products in the same order as the context: a row whose
-    values are all 1 gets exactly 1 (acc / l) whatever its scores, and the backward pass's
-    Δ = dO·O is exact there (dQ of all-ones inputs is exactly 0 under any bias); and the
-    pass that summed each block goes. Otherwise l is summed block by block (with dropout it
-    counts the weights before dropping).
+    l is summed block by block (with dropout it counts the weights before dropping), one
+    pass over each block; but when ``values`` carry a last column of ones
+    (:func:`constant_column`), l is that column of acc, summed by the same matrix products
+    in the same order as the context: a row whose values are all 1 gets exactly 1 (acc / l)
+    whatever its scores, and the backward pass's Δ = dO·O is exact there (dQ of all-ones
+    inputs is exactly 0 under any bias). That column costs about a fifth of the product
+    with the values (its width is no longer a multiple of the kernel's tile), so it is
+    carried only where it can matter.
     """
     rows = q_block.shape[1]
     like = q_block
@@ -195,10 +209,9 @@ def _accumulate(
     reach = None if hits is None else acc.new_zeros((group.rows, rows, hits.shape[3]))
     drop_scale = 1.0 / (1.0 - problem.dropout_p)
     exp = torch.exp2 if problem.base2 else torch.exp
-    far = group.bias is not None or problem.score_mod is not None  # scores may be ≪ 0
     first = True
     # Without running_max: the shift, fixed for the query block, decided on its first block
-    # with a score for some row (:func:`_level_rows`): None is a shift of 0 for every row.
+    # with a score for some row (level_rows): None is a shift of 0 for every row.
     decided = False
     fixed: RowShift | None = None
     for k0, k1, kind in keys:
@@ -219,11 +232,11 @@ def _accumulate(
             row_max = new_max
         else:
             if not decided:
-                level = _level_rows(found.values, unmasked=kind == FULL and not far)
+                level = level_rows(found.values, unmasked=kind == FULL and not found.far)
                 if level is False:  # every weight 0; skipping the block gives the same bits
                     continue
                 decided, fixed = True, (level if isinstance(level, RowShift) else None)
-            scores = found.exp_fixed_(fixed, floor=far)
+            scores = found.exp_fixed_(fixed)
             if not in_products:
                 row_sum.add_(scores.sum(dim=-1, keepdim=True))
         if problem.keep is not None:
@@ -234,27 +247,29 @@ def _accumulate(
             acc.baddbmm_(scores, group.values(values, k0, k1))
         if reach is not None and hits is not None:
             reach.baddbmm_((scores > 0).to(scores.dtype), kv_block(hits, k0, k1))
-        # With a shift of 0, large scores may overflow: give up after the first block.
+        # With a fixed shift, large scores may overflow: give up after the first block.
         if first and not running_max and not bool(row_sum.amax() <= _MOST):
-            return None
+            return False
         first = False
-    dest_out, dest_lse = dest
+    rows_shape = dest.lse.shape
     if not running_max:
         low, high = torch.aminmax(row_sum)
         # A sum over acc is finite if acc is (one pass, unlike isfinite); if it overflows,
         # the running max merely runs needlessly. NaN fails every comparison.
         if not (float(low) >= _LEAST and float(high) <= _MOST):
-            return None
+            return False
         if not math.isfinite(float(acc.sum())):
-            return None
+            return False
         # The weights were e^(s − m) (2^(s − m) in log2 units): lse = m + ln l; l ≥ 2⁻⁶⁰.
-        context = _divide(context_sums, row_sum, dest_out, reach)
-        inverse = torch.reciprocal(row_sum)
-        log_sum = torch.log(row_sum.view(dest_lse.shape), out=dest_lse)
-        shift = torch.zeros_like(row_sum) if fixed is None else fixed.full(row_sum)
-        if fixed is not None:
-            log_sum.add_(shift.view(dest_lse.shape), alpha=LN2 if problem.base2 else 1.0)
-        return context, log_sum, shift, inverse
+        _divide(context_sums, row_sum, dest.out, reach)
+        torch.reciprocal(row_sum.view(rows_shape), out=dest.inverse)
+        torch.log(row_sum.view(rows_shape), out=dest.lse)
+        if fixed is None:
+            dest.shift.zero_()
+        else:
+            dest.shift.copy_(fixed.full(row_sum).view(rows_shape))
+            dest.lse.add_(dest.shift, alpha=LN2 if problem.base2 else 1.0)
+        return True
     # A row whose scores are all −inf (a −inf bias on every allowed key): its weights are 0,
     # as in the reference (exp of the floor left them tiny but positive).
     dead = row_max == NEG_INF
@@ -262,69 +277,27 @@ def _accumulate(
     row_sum.masked_fill_(dead, 0.0)
     if reach is not None:
         reach.masked_fill_(dead, 0.0)
-    context = _divide(context_sums, row_sum.masked_fill(row_sum == 0, 1.0), dest_out, reach)
-    inverse = torch.where(row_sum > 0, torch.reciprocal(row_sum), 0.0)
+    _divide(context_sums, row_sum.masked_fill(row_sum == 0, 1.0), dest.out, reach)
+    dest.inverse.copy_(torch.where(row_sum > 0, torch.reciprocal(row_sum), 0.0).view(rows_shape))
     if problem.base2:  # back to natural units
-        row_lse = ((row_max + torch.log2(row_sum)) * LN2).squeeze(-1)
+        row_lse = (row_max + torch.log2(row_sum)) * LN2
     else:
-        row_lse = (row_max + torch.log(row_sum)).squeeze(-1)
-    return context, row_lse, row_max.masked_fill(dead, 0.0), inverse
-
-
-_SAMPLES = 8
-"""How many keys of a block :func:`_level_rows` looks at in every row, spread over the block,
-before it reads whole rows: only those of the rows whose allowed keys among them have equal
-scores (rarely any with real inputs; every row with constant ones)."""
-
-
-def _level_rows(values: torch.Tensor, *, unmasked: bool) -> RowShift | bool | None:
-    """The rows of a query block's first key block with a score for some row, ``values``
-    (Bg·Hkv, G·bq, bk), whose allowed scores there are all equal (one allowed key
-    included), with each one's score as its shift: such a row then gets weights of exactly
-    1 and the exact result the reference gets, where exp(s) rounds each weight (the context
-    missed by 1e-6, dV by a few units in the last place). None when there is no such row
-    (every shift 0: no pass to subtract it), False when no row has a score in the block.
-
-    A few keys of each row first (:data:`_SAMPLES`), a whole row only where those allowed
-    agree: a handful of small operations per query block, not three passes over its first
-    block. ``unmasked``: no score is −inf (a full block, no bias or modifier). NaN scores
-    never agree.
-    """
-    width = values.shape[-1]
-    flat = values.view(-1, width)  # (R, bk), R = Bg·Hkv·G·bq
-    seen = flat[:, :: max(1, width // _SAMPLES)]  # (R, ≤ 2·S), a view
-    finite = seen if unmasked else _masked_to_inf(seen)
-    # NaN compares False: a row with one is looked at whole, and is never level.
-    spread = finite.amin(dim=-1) < seen.amax(dim=-1)
-    if bool(spread.all()):
-        return None
-    candidates = spread.logical_not_().nonzero().squeeze(-1)
-    rows = flat[candidates]  # (n, bk)
-    largest = rows.amax(dim=-1, keepdim=True)
-    lowest = (rows if unmasked else _masked_to_inf(rows)).amin(dim=-1, keepdim=True)
-    scored = largest != NEG_INF
-    if candidates.numel() == flat.shape[0] and not bool(scored.any()):
-        return False
-    level = ((lowest == largest) & scored).squeeze(-1)
-    if not bool(level.any()):
-        return None
-    return RowShift(candidates[level], largest[level])
-
-
-def _masked_to_inf(scores: torch.Tensor) -> torch.Tensor:
-    """The scores with −inf (masked) made +inf, for the least allowed score; NaN stays."""
-    return scores.nan_to_num(nan=math.nan, posinf=math.inf, neginf=math.inf)
+        row_lse = row_max + torch.log(row_sum)
+    dest.lse.copy_(row_lse.view(rows_shape))
+    dest.shift.copy_(row_max.masked_fill(dead, 0.0).view(rows_shape))
+    return True
 
 
 def _divide(
     acc: torch.Tensor, row_sum: torch.Tensor, dest: torch.Tensor, reach: torch.Tensor | None
-) -> torch.Tensor:
-    """acc / l, (Bg·Hkv, G·bq, Dv) by (Bg·Hkv, G·bq, 1): straight into ``dest``, the block's
-    rows of the output (Bg, Hkv, G, bq, Dv), unless non-finite values are put back."""
+) -> None:
+    """acc / l, (Bg·Hkv, G·bq, Dv) by (Bg·Hkv, G·bq, 1), into ``dest``, the block's rows of
+    the output (Bg, Hkv, G, bq, Dv), with non-finite values put back (``reach``)."""
     if reach is not None:
-        return put_back_nonfinite(acc / row_sum, reach)
+        dest.copy_(put_back_nonfinite(acc / row_sum, reach).view(dest.shape))
+        return
     shape = (*dest.shape[:-1], 1)
-    return torch.div(acc.view(dest.shape), row_sum.view(shape), out=dest)
+    torch.div(acc.view(dest.shape), row_sum.view(shape), out=dest)
 
 
 _LEAST = 2.0**-60
