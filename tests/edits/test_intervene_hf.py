@@ -149,7 +149,7 @@ def test_an_edit_of_one_query_head_leaves_the_heads_sharing_its_kv_head() -> Non
     for edit in (
         ablate(0, 1),
         patch(0, 1, source, what="weights"),
-        set_weights(0, 1, 3, [1.0] * 6),
+        set_weights(0, 1, 3, [1 / 6] * 6),
     ):
         with qkv.intervene(model, edit):
             after = record(model, ids, layers=0)
@@ -257,13 +257,13 @@ def test_edits_are_checked_against_the_model() -> None:
     with pytest.raises(ValueError, match="reaches position 5 but the recording holds 3"):
         _run_edited(model, patch(0, 1, source), ids=ids)
     with pytest.raises(ValueError, match=r"weights of shape \(4,\) for a row of 6 keys"):
-        _run_edited(model, set_weights(0, 1, 2, [1.0] * 4), ids=ids)
+        _run_edited(model, set_weights(0, 1, 2, [0.25] * 4), ids=ids)
     assert model.config._attn_implementation == "sdpa"
 
 
 def test_edit_arguments_are_checked_when_written() -> None:
     with pytest.raises(TypeError, match="head must be a query head index"):
-        ablate(0, -1)
+        ablate(0, 1.0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="layer must be an integer or a module path"):
         scale(1.5, 0, 2.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"how=.mean. needs mean=\.\.\., got none"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,45 @@ def test_help_has_an_example_fits_80_columns_and_names_the_extra(
     out = capsys.readouterr().out
     assert "Examples:" in out and "Needs qkv[hf] (torch and transformers)." in out
     assert max(len(line) for line in out.splitlines()) <= 80
+
+
+def test_clean_and_corrupt_that_barely_differ_get_no_percentage() -> None:
+    """Issue 39: 0.002 apart, a head that moves the metric by 0.0188 was "940 % of the way"."""
+    from qkv.cli._patch import table_text
+    from qkv.edits import PatchingResult
+
+    facts = {
+        "model": "m",
+        "family": "llama",
+        "metric": "prob(mat)",
+        "clean": {"text": "a"},
+        "corrupt": {"text": "b"},
+    }
+    close = PatchingResult([[1.0188, 1.0]], ("layers.0",), 1.002, 1.0, "context")
+    text = table_text(close, facts)
+    assert "%" not in text.replace("within 1%", "")
+    assert "clean and corrupt barely differ (0.002 apart, within 1% of the metric's" in text
+    assert "largest effect: layer 0, head 0: +1.0188\n" in text
+    assert all(math.isnan(v) for v in close.normalized()[0])
+    apart = PatchingResult([[1.0188, 1.0]], ("layers.0",), 1.02, 1.0, "context")
+    assert "94% of the way from corrupt to clean" in table_text(apart, facts)
+    assert not apart.barely_differ()
+
+
+def test_batch_runs_heads_together_and_a_batch_too_large_is_refused(
+    folder: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert main(_patch(folder, "--answer", "mat", "-f", "json")) == 0
+    whole = json.loads(capsys.readouterr().out)["values"]
+    assert main(_patch(folder, "--answer", "mat", "-f", "json", "--batch", "3")) == 0
+    batched = json.loads(capsys.readouterr().out)["values"]
+    assert [v for row in batched for v in row] == pytest.approx(
+        [v for row in whole for v in row], abs=1e-6
+    )
+    assert _status(_patch(folder, "--answer", "mat", "--batch", "0")) == 2
+    assert "argument --batch: expected a positive integer, got '0'" in capsys.readouterr().err
+    monkeypatch.setattr("qkv.edits._sweep.available_memory", lambda: 20_000)
+    assert _status(_patch(folder, "--answer", "mat", "--batch", "64")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qkv: error: --batch 64: a batch of 4 rows needs about ")
+    assert "Hint: --batch " in err and err.count("\n") == 1

@@ -89,6 +89,7 @@ def _row(run: Run, layer: int, head: int) -> tuple[Edit, Any]:
     row = torch.rand(run.keys, generator=run.generator).to(run.dtype)
     if run.key_mask is not None:  # no weight on padding keys, whose values differ
         row = row * run.key_mask
+    row = row / row.sum()  # an attention row: set_weights takes rows that sum to 1
     return set_weights(layer, head, _ROW, row), row
 
 

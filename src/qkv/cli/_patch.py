@@ -70,9 +70,26 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         default="text",
         help="the table's format on the terminal or in --output",
     )
+    parser.add_argument(
+        "--batch",
+        type=_positive,
+        metavar="N",
+        help="heads run at once, one per batch row (default: a layer's heads, as memory allows)",
+    )
     parser.add_argument("--output", "-o", metavar="FILE", help="write the table to FILE")
     parser.add_argument("--html", metavar="FILE", help="write the heatmap page (a click on "
                         "a head shows its steps on both prompts)")  # fmt: skip
+
+
+def _positive(text: str) -> int:
+    """``--batch``: a positive integer (argparse names the option and exits 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def _inputs(loaded: Any, text: str, option: str) -> tuple[Any, list[str]]:
@@ -113,7 +130,16 @@ def _run(args: argparse.Namespace) -> int:
         metric = qkv.prob(answer)
     else:
         metric = qkv.logit_diff(answer, token_id(loaded, args.wrong, "--wrong"))
-    result = qkv.patching(loaded.model, clean, corrupt, metric, what=args.what)
+    try:
+        result = qkv.patching(
+            loaded.model, clean, corrupt, metric, what=args.what, batch=args.batch, progress=True
+        )
+    except ValueError as error:  # a batch that does not fit: said in the CLI's words
+        text = str(error).split(": ", 1)[-1]
+        if "this process may still take" not in text:
+            raise
+        text = text.replace("Hint: batch=", "Hint: --batch ").rstrip(".")
+        raise CommandError(f"--batch {args.batch or '(default)'}: {text}") from None
     facts = {
         "model": visible(str(loaded.name)),
         "family": loaded.family,
@@ -160,13 +186,20 @@ def table_text(result: Any, facts: dict[str, Any]) -> str:
     value = result.values[layer][head]
     if not abs(value - result.corrupt) > NO_EFFECT:
         return "\n".join([*lines, "", "no head moves the metric from the corrupt run's"]) + "\n"
-    share = result.normalized()[layer][head]
-    gap = "" if math.isnan(share) else f", {share:.0%} of the way from corrupt to clean"
-    lines += [
-        "",
-        f"largest effect: layer {layer}, head {head}: {_number(value)}{gap}",
-        _short(f"layer {layer} is {result.layers[layer]}", 80),
-    ]
+    lines += ["", f"largest effect: layer {layer}, head {head}: {_number(value)}"]
+    if result.barely_differ():
+        from qkv.edits._patching import BARELY
+
+        apart = abs(result.clean - result.corrupt)
+        lines += [
+            f"clean and corrupt barely differ ({apart:.2g} apart, within {BARELY:.0%} of the "
+            "metric's",
+            f"scale, {result.scale():.3g}): no share of the way between them is shown",
+        ]
+    else:
+        share = result.normalized()[layer][head]
+        lines[-1] += f", {share:.0%} of the way from corrupt to clean"
+    lines.append(_short(f"layer {layer} is {result.layers[layer]}", 80))
     return "\n".join(lines) + "\n"
 
 
@@ -189,6 +222,7 @@ def _render(fmt: str, result: Any, facts: dict[str, Any]) -> str:
             "layers": list(result.layers),
             "values": result.values,
             "normalized": [[None if math.isnan(v) else v for v in row] for row in normalized],
+            "barely_differ": result.barely_differ(),
         }
         return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
     out = io.StringIO()

@@ -18,10 +18,16 @@ Only the edited heads' slices change: the other heads keep the fast kernel's out
 weight edit computes only its rows. Under grouped-query attention an edit of one query head
 never changes the others that share its key/value head.
 
-:func:`patching` sweeps a patch over every layer and head (a (layers × heads) table of a
-metric such as :func:`logit_diff` or :func:`prob`); :func:`ablation_sweep` does the same
-with ablations; :func:`head_stats` measures what each head attends to (entropy, sink mass,
-previous-token, induction and diagonal scores).
+:func:`patching` sweeps a patch over every layer and head (a (layers x heads) table of a
+metric such as :func:`logit_diff` or :func:`prob`), each layer's heads as one batch that
+runs only the layers above; :func:`ablation_sweep` does the same with ablations,
+:func:`position_patching` one head at one position at a time, and :func:`path_patching` a
+head's effect through one later head's queries, keys or values; :func:`head_stats` measures
+what each head attends to (entropy, sink mass, previous-token, induction and diagonal
+scores). :func:`logit_attribution` gives each head's
+direct effect on an answer's logit (its output through the final norm, folded as
+TransformerLens folds it); :func:`score_terms` splits one head's score of one query into the
+terms of its query and key coordinates.
 
 Example:
     >>> import torch, qkv
@@ -36,13 +42,23 @@ Example:
     True
 """
 
+from qkv.edits._attribution import (
+    FAMILIES,
+    HeadAttribution,
+    ScoreTerms,
+    logit_attribution,
+    score_terms,
+)
 from qkv.edits._intervene import intervene
 from qkv.edits._patching import (
     Metric,
     PatchingResult,
+    PositionPatchingResult,
     ablation_sweep,
     logit_diff,
     patching,
+    path_patching,
+    position_patching,
     prob,
 )
 from qkv.edits._record import head_means, record
@@ -64,27 +80,35 @@ from qkv.edits._stats import STATISTICS, HeadStats, head_stats
 
 __all__ = [
     "EDITS",
+    "FAMILIES",
     "STATISTICS",
     "Ablate",
     "Edit",
+    "HeadAttribution",
     "HeadMeans",
     "HeadStats",
     "Metric",
     "Patch",
     "PatchingResult",
+    "PositionPatchingResult",
     "Recording",
     "Scale",
+    "ScoreTerms",
     "SetWeights",
     "ablate",
     "ablation_sweep",
     "head_means",
     "head_stats",
     "intervene",
+    "logit_attribution",
     "logit_diff",
     "patch",
     "patching",
+    "path_patching",
+    "position_patching",
     "prob",
     "record",
     "scale",
+    "score_terms",
     "set_weights",
 ]

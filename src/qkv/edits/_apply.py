@@ -42,6 +42,9 @@ class HeadEditor:
         self.edits = edits
         self.outer = outer
         self._index = {id(m): i for i, m in enumerate(layers.modules)}
+        for index, some in edits.items():  # what each edit copies: from a model like this one
+            for edit in some:
+                edit.check_model(index, len(layers.paths))
 
     def __call__(self, site: EditSite) -> tuple[Any, Any]:
         if self.outer is not None:

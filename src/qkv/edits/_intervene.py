@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 from qkv._edit_point import active_editor, editing
@@ -54,7 +55,8 @@ def intervene(model: Any, *edits: Edit) -> Iterator[None]:
 
 
 def _by_layer(layers: Layers, edits: tuple[Edit, ...]) -> dict[int, list[Edit]]:
-    """The edits of each layer index, checked against the model."""
+    """The edits of each layer index, checked against the model; a head counted from the
+    end (``head=-1``) is written as its index from 0."""
     by_layer: dict[int, list[Edit]] = {}
     for position, edit in enumerate(edits):
         if not isinstance(edit, Edit):
@@ -65,12 +67,9 @@ def _by_layer(layers: Layers, edits: tuple[Edit, ...]) -> dict[int, list[Edit]]:
             )
         where = f"{edit.kind}(layer={edit.layer!r}, head={edit.head})"
         index = layers.index(edit.layer, where)
-        heads = layers.heads(index)
-        if heads is not None and edit.head >= heads:
-            raise ValueError(
-                f"{where}: layer {layers.paths[index]!r} has {heads} query heads. Hint: "
-                f"choose a head from 0 to {heads - 1}."
-            )
+        head = layers.head(index, edit.head, where)
+        if head != edit.head:
+            edit = replace(edit, head=head)
         edit.check_sources(index)
         by_layer.setdefault(index, []).append(edit)
     return by_layer

@@ -3,6 +3,7 @@ and how to run it on some inputs."""
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,7 +23,10 @@ class Layers:
     hf: bool
 
     def index(self, layer: int | str, where: str) -> int:
-        """The 0-based index of ``layer`` (an integer, negative from the end, or a path)."""
+        """The 0-based index of ``layer``: an integer (negative from the end), an attention
+        module's path, or a path or pattern that holds exactly one attention module, as
+        ``qkv.tracing`` reads ``layers=`` (``"model.layers.1"`` is the block that holds
+        ``"model.layers.1.self_attn"``)."""
         count = len(self.paths)
         if isinstance(layer, int):
             if not -count <= layer < count:
@@ -33,10 +37,42 @@ class Layers:
             return layer % count
         if layer in self.paths:
             return self.paths.index(layer)
+        inside = [
+            i
+            for i, path in enumerate(self.paths)
+            if path.startswith(layer + ".") or fnmatch.fnmatchcase(path, layer)
+        ]
+        if len(inside) == 1:
+            return inside[0]
+        if inside:
+            shown = ", ".join(repr(self.paths[i]) for i in inside[:4])
+            raise ValueError(
+                f"{where}: {layer!r} holds {len(inside)} attention layers ({shown}"
+                f"{', ...' if len(inside) > 4 else ''}). Hint: name one of them."
+            )
         shown = ", ".join(repr(p) for p in self.paths[:4]) + (", ..." if count > 4 else "")
         raise ValueError(
             f"{where}: no attention layer is named {layer!r}. Hint: the model's are {shown}."
         )
+
+    def head(self, index: int, head: int, where: str) -> int:
+        """The 0-based query head ``head`` of layer ``index`` (negative from the end, as
+        layers count), checked against the heads the module says it has."""
+        heads = self.heads(index)
+        if heads is None:
+            if head < 0:
+                raise ValueError(
+                    f"{where}: head {head} counts from the end, but layer "
+                    f"{self.paths[index]!r} does not say how many heads it has. Hint: a head "
+                    "from 0."
+                )
+            return head
+        if not -heads <= head < heads:
+            raise ValueError(
+                f"{where}: layer {self.paths[index]!r} has {heads} query heads. Hint: choose "
+                f"a head from 0 to {heads - 1} (or negative from the end)."
+            )
+        return head % heads
 
     def heads(self, index: int) -> int | None:
         """The query heads of layer ``index`` when the module says (else None)."""

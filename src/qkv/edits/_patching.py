@@ -1,9 +1,11 @@
 """Activation patching over every layer and head: a (layers × heads) table of a metric.
 
 ``patching(model, clean, corrupt, metric)`` records the clean run's contexts once (the fast
-kernel's own), then runs the corrupt inputs once per (layer, head) with that one head's
-context patched in from the clean run, and keeps ``metric(logits)``. Only the patched head's
-slice changes in each run; every other head runs on the fast kernel.
+kernel's own) and runs the corrupt inputs once, keeping each block's output
+(:mod:`qkv.edits._sweep`); then each batch of edits runs the layers above the edited one
+only, one head patched per batch row, and keeps ``metric(logits)`` of each row. Only the
+patched head's slice changes; every other head runs on the fast kernel. The table equals the
+one of a forward per head (the tests compare them on every family).
 """
 
 from __future__ import annotations
@@ -13,13 +15,25 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from qkv._extras import require
-from qkv.edits._intervene import intervene
-from qkv.edits._model import layers_of, logits_of, run_model
+from qkv.edits._intervene import _by_layer
+from qkv.edits._model import Layers, layers_of
+from qkv.edits._paths import THROUGH, sender_rows
 from qkv.edits._record import record
-from qkv.edits._specs import Edit, ablate, patch
+from qkv.edits._specs import Edit, Target, ablate, check_layer, patch
+from qkv.edits._sweep import Cell, Reuse, bar, check_batch
 
-__all__ = ["Metric", "PatchingResult", "ablation_sweep", "logit_diff", "patching", "prob"]
+__all__ = [
+    "BARELY",
+    "Metric",
+    "PatchingResult",
+    "PositionPatchingResult",
+    "ablation_sweep",
+    "logit_diff",
+    "patching",
+    "path_patching",
+    "position_patching",
+    "prob",
+]
 
 Metric = Callable[[Any], Any]
 """A function of the logits (B, L, V) (or of the model's output tensor) to one number."""
@@ -86,6 +100,13 @@ def prob(answer: int) -> Metric:
     return metric
 
 
+BARELY = 0.01
+"""Clean and corrupt *barely differ* when their metrics are within this share of the
+metric's scale (the largest magnitude among them and the table's values): a fraction of the
+way between them would then mostly measure noise (0.002 apart, a head that moves the metric
+by 0.02 is "940 %" of the way)."""
+
+
 @dataclass(frozen=True)
 class PatchingResult:
     """The table of a sweep.
@@ -104,10 +125,29 @@ class PatchingResult:
     corrupt: float
     what: str
 
+    def scale(self) -> float:
+        """The metric's scale: the largest magnitude among clean, corrupt and the values."""
+        numbers = [self.corrupt, *(v for row in self.values for v in row)]
+        numbers += [] if self.clean is None else [self.clean]
+        return max((abs(v) for v in numbers if not math.isnan(v)), default=0.0)
+
+    def barely_differ(self) -> bool:
+        """Whether clean and corrupt are within :data:`BARELY` (1 %) of the metric's scale
+        of each other (always False for an ablation sweep, which has no clean run).
+
+        Example:
+            >>> PatchingResult([[1.0]], ("a",), 1.002, 1.0, "context").barely_differ()
+            True
+        """
+        if self.clean is None:
+            return False
+        return abs(self.clean - self.corrupt) <= BARELY * self.scale()
+
     def normalized(self) -> list[list[float]]:
         """(value − corrupt) / (clean − corrupt): 1 where the head restores the clean
-        metric fully, 0 where it changes nothing (NaN when clean equals corrupt)."""
-        if self.clean is None or self.clean == self.corrupt:
+        metric fully, 0 where it changes nothing (NaN when clean and corrupt
+        :meth:`barely_differ`)."""
+        if self.clean is None or self.barely_differ():
             return [[math.nan for _ in row] for row in self.values]
         span = self.clean - self.corrupt
         return [[(v - self.corrupt) / span for v in row] for row in self.values]
@@ -123,6 +163,25 @@ class PatchingResult:
         return layer, head
 
 
+@dataclass(frozen=True)
+class PositionPatchingResult:
+    """The table of a sweep by position.
+
+    Attributes:
+        values: ``values[layer][i][head]``: the metric with that head patched at position
+            ``positions[i]`` only (TransformerLens's ``[layer, pos, head]`` order).
+        layers: the attention layers' module paths.
+        positions: the positions patched (0-based).
+        clean, corrupt: the metric on the clean and the corrupt run.
+    """
+
+    values: list[list[list[float]]]
+    layers: tuple[str, ...]
+    positions: tuple[int, ...]
+    clean: float
+    corrupt: float
+
+
 def _number(metric: Metric, logits: Any) -> float:
     value = metric(logits)
     try:
@@ -136,24 +195,41 @@ def _number(metric: Metric, logits: Any) -> float:
 
 
 def _sweep(
-    model: Any, inputs: Any, metric: Metric, edit_of: Callable[[int, int], Edit], heads: list[int]
+    base: Reuse,
+    rows: list[list[Cell]],
+    metric: Metric,
+    batch: int | None,
+    progress: bool,
+    where: str,
+    run: Callable[[list[Cell]], list[Any]] | None = None,
 ) -> list[list[float]]:
-    torch = require("torch", feature="qkv.patching", extra="torch")
-    rows: list[list[float]] = []
-    with torch.no_grad():
-        for layer, count in enumerate(heads):
-            row = []
-            for head in range(count):
-                with intervene(model, edit_of(layer, head)):
-                    row.append(_number(metric, logits_of(run_model(model, inputs))))
-            rows.append(row)
-    return rows
+    """``metric`` of each cell's run, by layer: the cells of a layer in batches (run by
+    ``run``, default :meth:`Reuse.run`)."""
+    run = base.run if run is None else run
+    widest = max((len(row) for row in rows), default=1)
+    size = check_batch(batch, widest, base.row_bytes, where)
+    total = sum(len(row) for row in rows)
+    values: list[list[float]] = []
+    with bar(progress, total, where.split("(")[0]) as advance:
+        for row in rows:
+            found: list[float] = []
+            for start in range(0, len(row), size):
+                chunk = row[start : start + size]
+                found += [_number(metric, logits) for logits in run(chunk)]
+                advance(len(chunk))
+            values.append(found)
+    return values
 
 
-def _baseline(model: Any, inputs: Any, metric: Metric) -> float:
-    torch = require("torch", feature="qkv.patching", extra="torch")
-    with torch.no_grad(), intervene(model):
-        return _number(metric, logits_of(run_model(model, inputs)))
+def _cells(layers: Layers, edits: Sequence[Edit]) -> list[Cell]:
+    """The edits as batch rows, checked against the model (as ``qkv.intervene`` checks)."""
+    cells = []
+    for index, checked in _by_layer(layers, tuple(edits)).items():
+        for edit in checked:
+            edit.check_model(index, len(layers.paths))
+            where = f"{edit.kind}(layer={edit.layer!r}, head={edit.head})"
+            cells.append(Cell(index, edit.head, edit.apply, where))
+    return cells
 
 
 def _shapes(inputs: Any) -> Any:
@@ -174,8 +250,29 @@ def _check_metric(metric: object, where: str) -> None:
         )
 
 
+def _check_pair(clean: Any, corrupt: Any, what: str, where: str) -> None:
+    if what not in ("context", "weights"):
+        raise ValueError(
+            f"{where}: what must be 'context' or 'weights', got {what!r}. Hint: 'weights' "
+            "patches the attention pattern only."
+        )
+    if _shapes(clean) != _shapes(corrupt):
+        raise ValueError(
+            f"{where}: the clean inputs have shape {_shapes(clean)} and the corrupt ones "
+            f"{_shapes(corrupt)}; patching copies each position. Hint: two prompts of as many "
+            "tokens (one word changed)."
+        )
+
+
 def patching(
-    model: Any, clean: Any, corrupt: Any, metric: Metric, *, what: str = "context"
+    model: Any,
+    clean: Any,
+    corrupt: Any,
+    metric: Metric,
+    *,
+    what: str = "context",
+    batch: int | None = None,
+    progress: bool = False,
 ) -> PatchingResult:
     """Patch each head, one at a time, from the clean run into the corrupt one.
 
@@ -184,11 +281,21 @@ def patching(
     from the corrupt run's values) taken from the clean run, recorded once; the table holds
     ``metric(logits)`` of each run. Clean and corrupt inputs have the same shape.
 
+    The clean and corrupt inputs run once each; then each layer's heads run as one batch
+    (one head per batch row), from the kept input of that layer's block: only the layers
+    above run. The result equals one forward per head.
+
     Args:
         model: a Hugging Face model or a model of ``qkv.nn`` modules.
-        clean, corrupt: the inputs (a tokenizer's output, a tuple of arguments or a tensor).
-        metric: :func:`logit_diff`, :func:`prob` or any function of the logits to a number.
+        clean, corrupt: the inputs (a tokenizer's output, a tuple of arguments or a tensor),
+            B prompts each.
+        metric: :func:`logit_diff`, :func:`prob` or any function of the logits (B, ...) to
+            a number.
         what: ``"context"`` or ``"weights"``.
+        batch: how many heads run at once (batch rows of B prompts each); default: a
+            layer's heads, at most 64, fewer when memory is short. A batch that needs more
+            memory than the process may take is refused before it runs.
+        progress: show a progress bar on stderr.
 
     Returns:
         A :class:`PatchingResult` (``values[layer][head]``, and the clean and corrupt
@@ -204,36 +311,42 @@ def patching(
     """
     where = "patching(model, clean, corrupt, metric)"
     _check_metric(metric, where)
-    if what not in ("context", "weights"):
-        raise ValueError(
-            f"{where}: what must be 'context' or 'weights', got {what!r}. Hint: 'weights' "
-            "patches the attention pattern only."
-        )
-    if _shapes(clean) != _shapes(corrupt):
-        raise ValueError(
-            f"{where}: the clean inputs have shape {_shapes(clean)} and the corrupt ones "
-            f"{_shapes(corrupt)}; patching copies each position. Hint: two prompts of as many "
-            "tokens (one word changed)."
-        )
+    _check_pair(clean, corrupt, what, where)
     layers = layers_of(model, where)
     source = record(model, clean, what=what)
-    heads = [
-        len(source.contexts.get(i) or source.weights.get(i) or {}) for i in range(len(layers.paths))
+    base = Reuse(model, layers, corrupt, where)
+    edits = [
+        patch(layer, head, source, what=what)
+        for layer, count in enumerate(base.heads)
+        for head in range(count)
     ]
+    rows = _by_row(base.heads, _cells(layers, edits))
+    values = _sweep(base, rows, metric, batch, progress, where)
     clean_value = _number(metric, source.logits)
-    corrupt_value = _baseline(model, corrupt, metric)
-    values = _sweep(
-        model, corrupt, metric, lambda layer, head: patch(layer, head, source, what=what), heads
-    )
-    return PatchingResult(values, layers.paths, clean_value, corrupt_value, what)
+    return PatchingResult(values, layers.paths, clean_value, _number(metric, base.logits), what)
+
+
+def _by_row(heads: list[int], cells: list[Cell]) -> list[list[Cell]]:
+    rows: list[list[Cell]] = [[] for _ in heads]
+    for cell in cells:
+        rows[cell.layer].append(cell)
+    return rows
 
 
 def ablation_sweep(
-    model: Any, inputs: Any, metric: Metric, *, how: str = "zero", mean: Any = None
+    model: Any,
+    inputs: Any,
+    metric: Metric,
+    *,
+    how: str = "zero",
+    mean: Any = None,
+    batch: int | None = None,
+    progress: bool = False,
 ) -> PatchingResult:
     """Ablate each head, one at a time: the table of ``metric(logits)`` with that head's
     context zeroed (``how="zero"``) or set to its mean (``how="mean"``, ``mean`` from
-    :func:`qkv.edits.head_means`).
+    :func:`qkv.edits.head_means`). Batched and reusing the layers below as
+    :func:`patching` does (``batch``, ``progress`` as there).
 
     Example:
         >>> import torch, qkv
@@ -246,10 +359,185 @@ def ablation_sweep(
     _check_metric(metric, where)
     ablate(0, 0, how=how, mean=mean)  # checks how and mean once
     layers = layers_of(model, where)
-    shapes = record(model, inputs)
-    heads = [len(shapes.contexts.get(i, {})) for i in range(len(layers.paths))]
-    base = _number(metric, shapes.logits)
-    values = _sweep(
-        model, inputs, metric, lambda layer, head: ablate(layer, head, how=how, mean=mean), heads
-    )
-    return PatchingResult(values, layers.paths, None, base, how)
+    base = Reuse(model, layers, inputs, where)
+    edits = [
+        ablate(layer, head, how=how, mean=mean)
+        for layer, count in enumerate(base.heads)
+        for head in range(count)
+    ]
+    rows = _by_row(base.heads, _cells(layers, edits))
+    values = _sweep(base, rows, metric, batch, progress, where)
+    return PatchingResult(values, layers.paths, None, _number(metric, base.logits), how)
+
+
+def _at_position(head: int, position: int, source: Any) -> Callable[[Target], None]:
+    """Write the recorded context of ``head`` at sequence ``position`` (B, P, D) into the
+    call's row of that position, if the call holds it."""
+
+    def write(at: Target) -> None:
+        if position not in at.positions:
+            return
+        row = position - at.positions.start
+        held = source[:, position].to(device=at.context.device, dtype=at.context.dtype)
+        at.context[:, head, row] = held.expand(int(at.context.shape[0]), -1)
+
+    return write
+
+
+def _positions(positions: object, length: int, where: str) -> tuple[int, ...]:
+    if positions is None:
+        return tuple(range(length))
+    items = [positions] if isinstance(positions, int) else positions
+    if (
+        not isinstance(items, (list, tuple, range))
+        or not items
+        or any(isinstance(p, bool) or not isinstance(p, int) for p in items)
+    ):
+        raise TypeError(
+            f"{where}: positions must be a position or a list of them, got {positions!r}. "
+            "Hint: positions=[-1] patches the last token only; the default is every position."
+        )
+    bad = [p for p in items if not -length <= p < length]
+    if bad:
+        raise ValueError(
+            f"{where}: position {bad[0]} is outside the {length} tokens. Hint: from 0 to "
+            f"{length - 1}, or negative from the end."
+        )
+    return tuple(p % length for p in items)
+
+
+def position_patching(
+    model: Any,
+    clean: Any,
+    corrupt: Any,
+    metric: Metric,
+    *,
+    positions: Any = None,
+    batch: int | None = None,
+    progress: bool = False,
+) -> PositionPatchingResult:
+    """Patch each head at each position, one (head, position) at a time, from the clean run
+    into the corrupt one: the context of that head at that token only (TransformerLens's
+    ``get_act_patch_attn_head_out_by_pos``). Batched and reusing the layers below as
+    :func:`patching` does.
+
+    Args:
+        model, clean, corrupt, metric, batch, progress: as in :func:`patching`.
+        positions: the positions to patch (negative from the end); default: all.
+
+    Returns:
+        A :class:`PositionPatchingResult`: ``values[layer][i][head]`` for position
+        ``positions[i]``.
+
+    Example:
+        >>> import torch, qkv
+        >>> attn = qkv.nn.MultiHeadAttention(8, num_heads=2)
+        >>> table = position_patching(attn, torch.ones(1, 3, 8), torch.zeros(1, 3, 8),
+        ...                           lambda out: out[0, -1].sum())
+        >>> len(table.values[0]), len(table.values[0][0]), table.positions  # (N, heads)
+        (3, 2, (0, 1, 2))
+    """
+    where = "position_patching(model, clean, corrupt, metric)"
+    _check_metric(metric, where)
+    _check_pair(clean, corrupt, "context", where)
+    layers = layers_of(model, where)
+    source = record(model, clean)
+    base = Reuse(model, layers, corrupt, where)
+    length = max(int(h.shape[1]) for heads in source.contexts.values() for h in heads.values())
+    chosen = _positions(positions, length, where)
+    _cells(layers, [patch(i, h, source) for i, n in enumerate(base.heads) for h in range(n)])
+    rows = [
+        [
+            Cell(i, h, _at_position(h, p, source.head(i, h, "context")), f"{where} at {p}")
+            for p in chosen
+            for h in range(count)
+        ]
+        for i, count in enumerate(base.heads)
+    ]
+    flat = _sweep(base, rows, metric, batch, progress, where)
+    values = [
+        [row[j * count : (j + 1) * count] for j in range(len(chosen))]
+        for row, count in zip(flat, base.heads, strict=True)
+    ]
+    clean_value, corrupt_value = _number(metric, source.logits), _number(metric, base.logits)
+    return PositionPatchingResult(values, layers.paths, chosen, clean_value, corrupt_value)
+
+
+def path_patching(
+    model: Any,
+    clean: Any,
+    corrupt: Any,
+    metric: Metric,
+    *,
+    receiver: tuple[int | str, int],
+    through: str = "keys",
+    batch: int | None = None,
+    progress: bool = False,
+) -> PatchingResult:
+    """Patch each earlier head from the clean run into the corrupt one along one path only:
+    as the ``receiver`` head reads it through its ``through`` (``"queries"``, ``"keys"`` or
+    ``"values"``), the heads between frozen (Wang et al., 2022; see
+    :mod:`qkv.edits._paths`). Batched and reusing the layers below as :func:`patching`
+    does.
+
+    Args:
+        model, clean, corrupt, metric, batch, progress: as in :func:`patching`.
+        receiver: (layer, head) of the head that reads the senders' outputs (layer an
+            index, negative from the end, or a module path; head negative from the end).
+        through: ``"queries"``, ``"keys"`` or ``"values"``.
+
+    Returns:
+        A :class:`PatchingResult` whose rows are the layers before the receiver's
+        (``values[layer][head]``: the metric with that sender patched along the path) and
+        whose ``what`` is ``through``.
+
+    Example:
+        >>> import torch, qkv
+        >>> from qkv.edits import path_patching
+        >>> blocks = torch.nn.Sequential(*(qkv.nn.TransformerBlock(8, num_heads=2)
+        ...                                for _ in range(2)))
+        >>> table = path_patching(blocks, torch.ones(1, 3, 8), torch.zeros(1, 3, 8),
+        ...                       lambda out: out.sum(), receiver=(1, 0), through="values")
+        >>> len(table.values), len(table.values[0]), table.what     # senders: layer 0
+        (1, 2, 'values')
+    """
+    where = "path_patching(model, clean, corrupt, metric)"
+    _check_metric(metric, where)
+    _check_pair(clean, corrupt, "context", where)
+    if through not in THROUGH:
+        raise ValueError(
+            f"{where}: through must be 'queries', 'keys' or 'values', got {through!r}. Hint: "
+            "through='keys': what the receiver's keys take from each sender."
+        )
+    if not isinstance(receiver, tuple) or len(receiver) != 2:
+        raise TypeError(
+            f"{where}: receiver must be a (layer, head) pair, got {receiver!r}. Hint: "
+            "receiver=(9, 6) is head 6 of layer 9."
+        )
+    layers = layers_of(model, where)
+    named = f"{where} receiver={receiver!r}"
+    layer = layers.index(check_layer(receiver[0], named), named)
+    if layer == 0:
+        raise ValueError(
+            f"{named}: layer 0 has no earlier heads to send to it. Hint: a receiver in a "
+            "later layer."
+        )
+    source, frozen = record(model, clean), record(model, corrupt)
+    base = Reuse(model, layers, corrupt, where)
+    head = ablate(layer, receiver[1]).head  # checks it is an integer
+    heads = base.heads[layer]
+    if not -heads <= head < heads:
+        raise ValueError(
+            f"{named}: layer {layers.paths[layer]!r} has {heads} query heads. Hint: choose a "
+            f"head from 0 to {heads - 1} (or negative from the end)."
+        )
+    head %= heads
+    senders = [patch(i, h, source) for i in range(layer) for h in range(base.heads[i])]
+    rows = _by_row(base.heads[:layer], _cells(layers, senders))
+
+    def run(chunk: list[Cell]) -> list[Any]:
+        return sender_rows(base, chunk, frozen, (layer, head), through, where)
+
+    values = _sweep(base, rows, metric, batch, progress, where, run)
+    clean_value, corrupt_value = _number(metric, source.logits), _number(metric, base.logits)
+    return PatchingResult(values, layers.paths[:layer], clean_value, corrupt_value, through)

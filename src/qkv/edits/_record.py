@@ -26,10 +26,13 @@ class _Recorder:
         self._index = {id(m): i for i, m in enumerate(layers.modules)}
         # each call's part: (first position, first key, (B, Lq, D) or (B, Lq, Lk))
         self.parts: dict[int, dict[int, list[tuple[int, int, Any]]]] = {}
+        self.sizes: dict[int, tuple[int, int]] = {}  # (query heads, D) of each layer seen
 
     def __call__(self, site: EditSite) -> tuple[Any, Any]:
         context, weights = (site.context, site.weights) if self.outer is None else self.outer(site)
         layer = self._index.get(id(site.module))
+        if layer is not None:
+            self.sizes[layer] = (int(context.shape[1]), int(context.shape[-1]))
         if layer is None or layer not in self.chosen:
             return context, weights
         total = int(context.shape[1])
@@ -136,6 +139,7 @@ def record(
         contexts=held if what == "context" else {},
         weights=held if what == "weights" else {},
         logits=logits_of(output),
+        sizes=dict(recorder.sizes),
     )
 
 

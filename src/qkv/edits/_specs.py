@@ -57,10 +57,10 @@ def check_layer(layer: object, where: str) -> Layer:
 
 
 def _head(head: object, where: str) -> int:
-    if isinstance(head, bool) or not isinstance(head, int) or head < 0:
+    if isinstance(head, bool) or not isinstance(head, int):
         raise TypeError(
-            f"{where}: head must be a query head index (an integer from 0), got {head!r}. "
-            "Hint: head=3 is the fourth query head of the layer."
+            f"{where}: head must be a query head index (an integer, negative from the end), "
+            f"got {head!r}. Hint: head=3 is the fourth query head of the layer, head=-1 the last."
         )
     return head
 
@@ -100,7 +100,9 @@ class Recording:
     Made by :func:`qkv.edits.record`. ``contexts[layer][head]`` is (B, P, D): the context of
     that head at each of the run's P positions; ``weights[layer][head]`` is (B, P, K): its
     attention weights (rows of a shorter call padded with zeros). ``layers`` are the
-    module paths, by layer index; ``logits`` the run's output.
+    module paths, by layer index; ``logits`` the run's output; ``sizes[layer]`` the
+    (query heads, head size D) of each layer of the model it was recorded on, which a
+    patch compares with the model it is applied to (empty: not checked).
     """
 
     what: Literal["context", "weights"]
@@ -108,6 +110,7 @@ class Recording:
     contexts: dict[int, dict[int, Any]] = field(default_factory=dict)
     weights: dict[int, dict[int, Any]] = field(default_factory=dict)
     logits: Any = None
+    sizes: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def head(self, layer: int, head: int, what: str) -> Any:
         """The recorded (B, P, D) contexts or (B, P, K) weights of one head."""
@@ -119,10 +122,23 @@ class Recording:
             raise ValueError(
                 f"patch(layer={layer}, head={head}, what={what!r}): the recording holds no "
                 f"{what} of that head (it holds (layer, head) {shown}"
-                f"{', ...' if len(kept) > 8 else ''}). Hint: record(model, inputs, "
+                f"{', ...' if len(kept) > 8 else ''}; recorded on a model of "
+                f"{len(self.layers)} attention layers). Hint: record(model, inputs, "
                 f"what={what!r}) with that layer and head selected."
             )
         return found
+
+    def check_model(self, layer: int, head: int, layers: int, where: str) -> None:
+        """Refuse, in one line, a recording of a model with another number of attention
+        layers than the model's ``layers``, or whose numbers for ``layer``'s ``head`` are
+        not all finite."""
+        _same_layers("the recording has", len(self.layers), layers, where, _RECORD_HINT)
+        _finite("the recording holds", self.head(layer, head, self.what), where, "record")
+
+    def check_call(self, layer: int, heads: int, width: int, where: str) -> None:
+        """Refuse a recording whose ``layer`` had other (query heads, head size) than the
+        call it patches (``heads``, ``width``)."""
+        _same_sizes("the recording has", self.sizes.get(layer), heads, width, where, _RECORD_HINT)
 
 
 @dataclass(frozen=True)
@@ -141,12 +157,66 @@ class HeadMeans:
         """The (D,) mean context of one head."""
         found = self.means.get(layer)
         if found is None or not 0 <= head < int(found.shape[0]):
+            held = "no such layer" if found is None else f"{int(found.shape[0])} heads there"
             raise ValueError(
                 f"ablate(layer={layer}, head={head}, how='mean'): the head means hold no such "
-                f"head ({len(self.means)} layers). Hint: head_means(model, inputs) of the same "
-                "model."
+                f"head ({len(self.means)} layers, {held}). Hint: {_MEANS_HINT}."
             )
         return found[head]
+
+    def check_model(self, layer: int, head: int, layers: int, where: str) -> None:
+        """Refuse, in one line, means of a model with another number of attention layers
+        than the model's ``layers``, or whose mean of ``layer``'s ``head`` is not finite."""
+        _same_layers("the head means have", len(self.layers), layers, where, _MEANS_HINT)
+        _finite("the head means hold", self.of(layer, head), where, "compute them")
+
+    def check_call(self, layer: int, heads: int, width: int, where: str) -> None:
+        """Refuse means whose ``layer`` had other (query heads, head size) than the call
+        (``heads``, ``width``)."""
+        found = self.means.get(layer)
+        sizes = None if found is None else (int(found.shape[0]), int(found.shape[-1]))
+        _same_sizes("the head means have", sizes, heads, width, where, _MEANS_HINT)
+
+
+_RECORD_HINT = "record on the same model: qkv.edits.record(model, inputs)"
+_MEANS_HINT = "head_means(model, inputs) of the same model"
+
+
+def _same_layers(source: str, held: int, model: int, where: str, hint: str) -> None:
+    """``source``: its subject and verb ("the recording has")."""
+    if held != model:
+        raise ValueError(
+            f"{where}: {source} {held} attention layers, the model {model}. Hint: {hint}."
+        )
+
+
+def _same_sizes(
+    source: str, sizes: tuple[int, int] | None, heads: int, width: int, where: str, hint: str
+) -> None:
+    """(query heads, head size) of the source's layer against the call's."""
+    if sizes is None:
+        return
+    if sizes[0] != heads:
+        raise ValueError(
+            f"{where}: {source} {sizes[0]} heads per layer, the model {heads}. Hint: {hint}."
+        )
+    if sizes[1] != width:
+        raise ValueError(
+            f"{where}: {source} heads of size {sizes[1]}, the model's are of size {width}. "
+            f"Hint: {hint}."
+        )
+
+
+def _finite(source: str, values: Any, where: str, again: str) -> None:
+    """Refuse NaN or infinity in what an edit copies (one look at the whole tensor)."""
+    torch = require("torch", feature="qkv.intervene", extra="torch")
+    bad = int((~torch.isfinite(values)).sum())
+    if bad:
+        raise ValueError(
+            f"{where}: {source} NaN or infinity for this head ({bad} of {values.numel()} "
+            f"numbers). Hint: {again} again on inputs and in a dtype where the model's run "
+            "is finite (NaN in its logits too means the run overflowed or read NaN)."
+        )
 
 
 @dataclass(frozen=True)
@@ -208,6 +278,13 @@ class Edit(ABC):
         head (a recording, head means); raises ValueError."""
         return None  # an edit that reads nothing else has nothing to check
 
+    def check_model(self, layer: int, layers: int) -> None:
+        """Check, before any forward, that what the edit reads comes from a model of
+        ``layers`` attention layers and holds finite numbers for layer ``layer``'s head;
+        raises ValueError in one line. (Heads and head size are checked at each call,
+        where the model's own are known.)"""
+        return None
+
     @abstractmethod
     def apply(self, at: Target) -> Rows | bool | None:
         """Write this edit into ``at.context`` (its head's slice only). Returns the weight
@@ -227,11 +304,18 @@ class Ablate(Edit):
         if isinstance(self.mean, HeadMeans):
             self.mean.of(layer, self.head)
 
+    def check_model(self, layer: int, layers: int) -> None:
+        if isinstance(self.mean, HeadMeans):
+            where = f"ablate(layer={self.layer!r}, head={self.head}, how='mean')"
+            self.mean.check_model(layer, self.head, layers, where)
+
     def apply(self, at: Target) -> bool:
         context, h = at.context, self.head
         if self.how == "zero":
             context[:, h] = 0
             return True
+        if isinstance(self.mean, HeadMeans):
+            self.mean.check_call(at.layer, int(context.shape[1]), int(context.shape[-1]), at.where)
         mean = self.mean.of(at.layer, h) if isinstance(self.mean, HeadMeans) else self.mean
         if mean.shape[-1] != context.shape[-1]:
             raise ValueError(
@@ -262,9 +346,15 @@ class Patch(Edit):
     def check_sources(self, layer: int) -> None:
         self._source().head(layer, self.head, self.what)
 
+    def check_model(self, layer: int, layers: int) -> None:
+        where = f"patch(layer={self.layer!r}, head={self.head})"
+        self._source().check_model(layer, self.head, layers, where)
+
     def apply(self, at: Target) -> Rows | bool:
         context, value, h = at.context, at.value, self.head
-        source = self._source().head(at.layer, h, self.what)
+        recording = self._source()
+        recording.check_call(at.layer, int(context.shape[1]), int(value.shape[-1]), at.where)
+        source = recording.head(at.layer, h, self.what)
         source = _rows_of(source, at.positions, context.shape[0], at.where)
         if self.what == "context":
             context[:, h] = source.to(device=context.device, dtype=context.dtype)
@@ -444,12 +534,27 @@ def set_weights(layer: Layer, head: int, query: int, weights: Any) -> SetWeights
     """Replace one row of a head's attention pattern: "what if this token had attended
     there". The row's context becomes ``weights · V`` with this run's values.
 
+    The row is an attention row, as softmax makes one: its weights must be ≥ 0 and sum to
+    1 (to within rounding: Lk · ε of its dtype), and a row that does not is refused in one
+    line, since ``[1, 1, 1]`` meant as "attend evenly" would triple the context. The row is
+    the whole pattern of that query: in a head with attention sinks, nothing goes to the
+    sink. To weaken a head's context instead, use :func:`scale`.
+
     Args:
         layer, head: as in :func:`ablate`.
         query: the position of the query token (0-based; negative from the end of the
             sequence). In a call that holds only the last positions (decoding with a cache),
             the row of that position, if present.
-        weights: (Lk,) or (B, Lk): the new row, one weight per key position.
+        weights: (Lk,) or (B, Lk): the new row, one weight per key position (each row ≥ 0,
+            summing to 1).
+
+    Example:
+        >>> set_weights(0, 1, -1, [0.25, 0.75]).query
+        -1
+        >>> set_weights(0, 1, -1, [1.0, 1.0])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: set_weights(...): weights must sum to 1 in each row ..., got a sum of 2. ...
     """
     where = f"set_weights(layer={layer!r}, head={head!r}, query={query!r})"
     layer, head = check_layer(layer, where), _head(head, where)
@@ -464,4 +569,24 @@ def set_weights(layer: Layer, head: int, query: int, weights: Any) -> SetWeights
             f"{where}: weights must have shape (Lk,) or (B, Lk), got {tuple(row.shape)}. "
             "Hint: one weight per key position."
         )
+    _check_row(row, where)
     return SetWeights(layer, head, query, row)
+
+
+def _check_row(row: Any, where: str) -> None:
+    """An attention row: every weight ≥ 0, each row summing to 1 within Lk · ε."""
+    torch = require("torch", feature="qkv.edits", extra="torch")
+    if bool((row < 0).any()):
+        raise ValueError(
+            f"{where}: weights must be ≥ 0 (an attention row), got {float(row.min()):.6g}. "
+            "Hint: softmax of scores gives a row; to turn a head against itself, use scale."
+        )
+    sums = row.double().sum(-1).reshape(-1)
+    tolerance = row.shape[-1] * torch.finfo(row.dtype).eps
+    off = int((sums - 1).abs().argmax())
+    if abs(float(sums[off]) - 1) > tolerance:
+        raise ValueError(
+            f"{where}: weights must sum to 1 in each row (an attention row), got a sum of "
+            f"{float(sums[off]):.6g}. Hint: divide by the sum: "
+            "weights / weights.sum(-1, keepdim=True)."
+        )

@@ -26,6 +26,8 @@ from typing import Any
 
 from qkv._edit_point import Editor, EditSite, active_editor, editing
 from qkv._extras import require
+from qkv._memory import available_memory
+from qkv._read import size_text
 from qkv.edits._apply import positions_of
 from qkv.edits._model import Layers, layers_of, routed_model
 
@@ -162,6 +164,66 @@ def _token_ids(texts: Sequence[Any], tokenizer: Any, where: str) -> list[Any]:
     return out
 
 
+def _whole(value: object, name: str, low: int, where: str, hint: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise TypeError(
+            f"{where}: {name} must be an integer from {low}, got {value!r}. Hint: {hint}."
+        )
+    return value
+
+
+def _config_size(model: Any, names: tuple[str, ...]) -> int | None:
+    config = getattr(model, "config", None)
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _token_bytes(model: Any, layers: Layers, vocab: int | None) -> int:
+    """The memory one token of a run takes at most, estimated from the model's sizes: its
+    id, a few (E,) activations, the MLP's (I,) and the logits' (V,), in the model's dtype.
+    (Attention adds at most :data:`ROW_BUDGET` float64 weights a block, counted apart.)"""
+    torch = require("torch", feature="qkv.head_stats", extra="torch")
+    width = _config_size(model, ("hidden_size", "n_embd", "d_model"))
+    width = width or getattr(layers.modules[0], "embed_dim", None) or 1
+    inner = _config_size(model, ("intermediate_size", "n_inner", "d_ff")) or 4 * width
+    first = next(iter(model.parameters()), None)
+    size = int(first.element_size()) if first is not None else torch.finfo().bits // 8
+    return int(8 + size * (4 * width + inner + (vocab or 0)))
+
+
+def _check_sizes(
+    model: Any, layers: Layers, runs: list[tuple[str, int, int]], vocab: int | None, where: str
+) -> None:
+    """Refuse, before anything is allocated, a run (``what``, batch, length) longer than the
+    model's positions or larger than the memory this process may still take."""
+    limit = _config_size(model, ("n_positions", "max_position_embeddings"))
+    free = available_memory()
+    per_token = _token_bytes(model, layers, vocab)
+    for what, batch, length in runs:
+        if limit is not None and length > limit:
+            shorter = (
+                f"induction_length at most {limit // 2:,}"
+                if what.startswith("induction")
+                else "a shorter prompt, or several"
+            )
+            raise ValueError(
+                f"{where}: {what} makes sequences of {length:,} tokens, more than the "
+                f"{limit:,} positions the model reads (its config). Hint: at most "
+                f"{limit:,} tokens ({shorter})."
+            )
+        needed = batch * length * per_token + 8 * ROW_BUDGET
+        if free is not None and needed > free:
+            raise ValueError(
+                f"{where}: {what} makes {batch:,} × {length:,} tokens, about "
+                f"{size_text(needed)} for the run, more than the {size_text(free)} this "
+                "process may still take. Hint: fewer or shorter sequences (induction_length="
+                "20, induction_prompts=4 by default)."
+            )
+
+
 def _runner(model: Any) -> Any:
     """What reads the tokens: the encoder of an encoder–decoder model, else the model."""
     config = getattr(model, "config", None)
@@ -190,8 +252,14 @@ def head_stats(
         tokenizer: turns a string into ids (a Hugging Face tokenizer).
         vocab_size: the vocabulary of the random tokens of the induction score (default: the
             model's ``config.vocab_size``; without either, induction is NaN).
-        induction_length: T, the random tokens repeated twice.
+        induction_length: T, the random tokens repeated twice (from 2).
         induction_prompts: how many such sequences; ``seed`` draws them.
+
+    Raises:
+        ValueError: before anything is allocated, a prompt or the induction sequences
+            (2T tokens) longer than the model's positions (``n_positions``,
+            ``max_position_embeddings``), or needing more memory than this process may
+            still take (estimated from the model's sizes: ids, activations, logits).
 
     Returns:
         A :class:`HeadStats`.
@@ -211,9 +279,17 @@ def head_stats(
     """
     where = "head_stats(model, texts)"
     torch = require("torch", feature="qkv.head_stats", extra="torch")
+    length = _whole(induction_length, "induction_length", 2, where, "induction_length=20")
+    repeats = _whole(induction_prompts, "induction_prompts", 1, where, "induction_prompts=4")
+    if vocab_size is not None:
+        _whole(vocab_size, "vocab_size", 1, where, "the model's config.vocab_size")
     prompts = _token_ids(list(texts), tokenizer, where)
     layers = layers_of(model, where)
     vocab = vocab_size or getattr(getattr(model, "config", None), "vocab_size", None)
+    runs = [(f"prompt {i}", int(ids.shape[0]), int(ids.shape[1])) for i, ids in enumerate(prompts)]
+    if isinstance(vocab, int) and vocab > 0:
+        runs.append((f"induction_length={length}", repeats, 2 * length))
+    _check_sizes(model, layers, runs, vocab if isinstance(vocab, int) else None, where)
     collector = _Collector(layers, active_editor())
     runner = _runner(model)
     tokens = 0
@@ -223,10 +299,8 @@ def head_stats(
             tokens += int(ids.numel())
         if isinstance(vocab, int) and vocab > 0:
             generator = torch.Generator().manual_seed(seed)
-            half = torch.randint(
-                0, vocab, (induction_prompts, induction_length), generator=generator
-            )
-            collector.repeat = induction_length
+            half = torch.randint(0, vocab, (repeats, length), generator=generator)
+            collector.repeat = length
             runner(torch.cat((half, half), dim=1))
     values = {name: collector.table(name) for name in STATISTICS}
     return HeadStats(layers.paths, values, len(prompts), tokens)

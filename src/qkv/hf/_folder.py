@@ -39,6 +39,7 @@ __all__ = [
     "check_weights",
     "code_needed",
     "model_class",
+    "not_a_folder",
     "problem",
     "read_json",
 ]
@@ -95,6 +96,19 @@ def problem(name: str, what: str, hint: str) -> ValueError:
     """The one-line error of ``--hf NAME``: ``NAME: what. Hint: hint``, with any control
     character from the folder's name or files escaped."""
     return ValueError(visible(f"{name}: {what}. Hint: {hint}"))
+
+
+def not_a_folder(name: str, path: Path) -> ValueError:
+    """The one-line error of ``--hf NAME`` where ``NAME`` is a file, not a model's folder:
+    what it is, and the folder to give instead when the file is one of a saved model's
+    (its ``config.json``, a weights file: the folder beside it holds a ``config.json``)."""
+    parent = path.parent
+    if (parent / "config.json").is_file():
+        hint = f"give the folder that holds it: --hf {parent}"
+    else:
+        hint = "give the folder written by save_pretrained (it holds config.json)"
+    what = "a file" if path.is_file() else "something other than a folder"
+    return problem(name, f"this is {what}, not a model's folder", hint)
 
 
 def read_json(folder: Path, file: str, name: str) -> dict[str, Any] | None:

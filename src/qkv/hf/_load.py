@@ -27,6 +27,7 @@ from qkv.hf._folder import (
     code_needed,
     first_line,
     model_class,
+    not_a_folder,
     problem,
     read_json,
 )
@@ -83,7 +84,9 @@ def _folder(name: str, *, online: bool) -> Path:
                 "save one with model.save_pretrained(FOLDER) and tokenizer.save_pretrained(FOLDER)",
             )
         return path
-    if path.exists() or _looks_like_path(name):
+    if path.exists():
+        raise not_a_folder(name, path)
+    if _looks_like_path(name):
         raise problem(
             name,
             "no such folder",

@@ -1,0 +1,396 @@
+"""Sweeps that reuse what they can: one row of a batch per edited head, and only the layers
+above the edited one run.
+
+A sweep (patching, ablation, patching by position) runs the same inputs many times, each
+time with one head's slice changed. Everything the model computes before that head's layer
+is the same in every run, so :class:`Reuse` runs the inputs once and keeps the output of each
+*block* (a module held in a ``torch.nn.ModuleList``: a decoder layer, a GPT-2 block, a
+``qkv.nn.TransformerBlock``). A batch of edits of layer L then runs the model once on the
+inputs repeated along the batch, one edit per batch row, with every block that finished
+before layer L's attention started replaced by its kept output: only the layers above run.
+
+Which blocks finished before is seen, not assumed: the first run notes, in order, when each
+block ends and when each attention layer starts. A block whose output holds something other
+than tensors and tuples of them (a cache), or that ran more than once, always runs. The
+result is the one-forward-per-edit result; the tests compare the two on every family.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from qkv._edit_point import EditSite, active_editor, editing
+from qkv._extras import require
+from qkv._memory import available_memory
+from qkv._read import size_text
+from qkv.edits._apply import positions_of
+from qkv.edits._model import Layers, logits_of, routed_model, run_model
+from qkv.edits._specs import Rows, Target
+
+__all__ = ["DEFAULT_ROWS", "Cell", "Reuse", "Stop", "bar", "check_batch"]
+
+DEFAULT_ROWS = 64
+"""The most batch rows a sweep runs at once when ``batch`` is not given (fewer when memory
+is short)."""
+
+_ACTIVATIONS = 10
+"""A batch row's activations, counted as this many copies of a block's output (the MLP's
+wider hidden layer, the residual, the norms)."""
+
+_UNKEPT = object()  # a block output that is not kept (not tensors and tuples of them)
+
+
+class Stop(Exception):  # noqa: N818 (not an error: the run has what it needs)
+    """Raised by a hook to end a forward early (what it needed has been seen)."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One batch row of a sweep: at layer ``layer`` (an index), ``write(target)`` changes
+    query head ``head``'s slice of the call's context (``target.context`` is this row's
+    (B, H, Lq, D) view). ``where`` names the edit in an error."""
+
+    layer: int
+    head: int
+    write: Callable[[Target], object]
+    where: str
+
+
+def _frozen(value: Any, torch: Any) -> Any:
+    """A copy of a block's output that later code cannot change, or ``_UNKEPT``."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if type(value) in (tuple, list):
+        parts = [_frozen(v, torch) for v in value]
+        return _UNKEPT if any(p is _UNKEPT for p in parts) else type(value)(parts)
+    return _UNKEPT
+
+
+def _repeated(value: Any, batch: int, copies: int, torch: Any) -> Any:
+    """``value`` with each tensor whose first axis is the batch (``batch`` rows) repeated
+    ``copies`` times along it (rows i·batch to (i + 1)·batch are copy i); other tensors
+    copied as they are. Mappings, tuples and lists keep their form."""
+    if isinstance(value, torch.Tensor):
+        if value.ndim and int(value.shape[0]) == batch:
+            return value.repeat(copies, *([1] * (value.ndim - 1)))
+        return value.clone()
+    if isinstance(value, Mapping):
+        return {key: _repeated(v, batch, copies, torch) for key, v in value.items()}
+    if type(value) in (tuple, list):
+        return type(value)(_repeated(v, batch, copies, torch) for v in value)
+    return value
+
+
+def _blocks(model: Any, torch: Any) -> list[tuple[str, Any]]:
+    """The modules held in a ``ModuleList`` or ``Sequential`` of the model, by path."""
+    found = []
+    for path, module in model.named_modules():
+        if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+            found += [
+                (f"{path}.{name}" if path else name, m) for name, m in module.named_children()
+            ]
+    return found
+
+
+def _takes_use_cache(model: Any) -> bool:
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "use_cache" in parameters
+
+
+@dataclass
+class _Seen:
+    """What the first run saw of the model."""
+
+    batch: int = 0
+    shapes: dict[int, tuple[int, int, int, int]] | None = None  # (H, Hkv, D, Dv) by layer
+    starts: dict[int, int] | None = None  # the tick at which each layer's attention began
+    row_bytes: int = 0  # the attention scores of the largest call, per batch row
+
+
+class Reuse:
+    """The model run once on ``inputs``, with each block's output kept: the base of a sweep.
+
+    Attributes:
+        logits: the first run's logits (B, ...), unedited (edits of an enclosing
+            ``qkv.intervene`` block apply).
+        batch: B, the inputs' batch.
+        heads: the query heads of each layer (0 for a layer that did not run).
+        shapes: (H, Hkv, D, Dv) of each layer that ran.
+        row_bytes: the memory one batch row of a sweep takes, estimated (logits,
+            activations, the largest call's attention scores).
+    """
+
+    def __init__(self, model: Any, layers: Layers, inputs: Any, where: str) -> None:
+        torch = require("torch", feature="qkv.patching", extra="torch")
+        self.model, self.layers, self.inputs, self.where = model, layers, inputs, where
+        self.extra = {"use_cache": False} if layers.hf and _takes_use_cache(model) else {}
+        self.outer = active_editor()
+        self._blocks = _blocks(model, torch)
+        self._kept: dict[str, Any] = {}
+        self._ends: dict[str, int] = {}
+        seen = self._observe(torch)
+        self.batch = seen.batch
+        self.shapes = seen.shapes or {}
+        self.heads = [self.shapes.get(i, (0,))[0] for i in range(len(layers.paths))]
+        self._starts = seen.starts or {}
+        kept = max((_bytes(v, torch) for v in self._kept.values()), default=0)
+        logits = _bytes(self.logits, torch)
+        self.row_bytes = (logits + _ACTIVATIONS * kept) // max(self.batch, 1) + seen.row_bytes
+
+    def _observe(self, torch: Any) -> _Seen:
+        ticks = itertools.count()
+        seen = _Seen(shapes={}, starts={})
+        calls: dict[str, int] = {}
+        index = {id(m): i for i, m in enumerate(self.layers.modules)}
+
+        def started(i: int) -> Callable[..., None]:
+            def hook(*_: Any) -> None:
+                assert seen.starts is not None
+                seen.starts.setdefault(i, next(ticks))
+
+            return hook
+
+        def ended(path: str) -> Callable[..., None]:
+            def hook(_: Any, __: Any, output: Any) -> None:
+                calls[path] = calls.get(path, 0) + 1
+                self._ends[path] = next(ticks)
+                self._kept[path] = _frozen(output, torch)
+
+            return hook
+
+        def look(site: EditSite) -> tuple[Any, Any]:
+            context, weights = (
+                (site.context, site.weights) if self.outer is None else self.outer(site)
+            )
+            layer = index.get(id(site.module))
+            if layer is not None:
+                assert seen.shapes is not None
+                b, h, lq = (int(n) for n in context.shape[:3])
+                seen.batch = seen.batch or b
+                kv, dim = int(site.key.shape[1]), int(site.query.shape[-1])
+                seen.shapes[layer] = (h, kv, dim, int(site.value.shape[-1]))
+                scores = h * lq * int(site.key.shape[2]) * context.element_size()
+                seen.row_bytes = max(seen.row_bytes, scores // max(b, 1))
+            return context, weights
+
+        with ExitStack() as stack:
+            for i, module in enumerate(self.layers.modules):
+                handle = module.register_forward_pre_hook(started(i))
+                stack.callback(handle.remove)
+            for path, module in self._blocks:
+                handle = module.register_forward_hook(ended(path))
+                stack.callback(handle.remove)
+            stack.enter_context(torch.no_grad())
+            stack.enter_context(routed_model(self.model, self.layers, self.where))
+            stack.enter_context(editing(look))
+            self.logits = self._forward(self.inputs)
+        for path, count in calls.items():
+            if count != 1:
+                self._kept[path] = _UNKEPT
+        if not seen.batch:
+            raise ValueError(
+                f"{self.where}: the model ran no attention layer on these inputs. Hint: "
+                "inputs the model's attention sees (token ids of a prompt)."
+            )
+        return seen
+
+    def _forward(self, inputs: Any) -> Any:
+        """The model's logits on ``inputs`` (with ``use_cache=False`` where it takes it)."""
+        if not self.extra:
+            return logits_of(run_model(self.model, inputs))
+        if isinstance(inputs, Mapping):
+            return logits_of(self.model(**{**self.extra, **inputs}))
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        return logits_of(self.model(*args, **self.extra))
+
+    def skipped(self, layer: int) -> list[str]:
+        """The blocks whose kept output a batch of edits of ``layer`` reuses: those that
+        ended before the layer's attention began (in the first run)."""
+        start = self._starts.get(layer, -1)
+        return [
+            path
+            for path, _ in self._blocks
+            if self._kept.get(path, _UNKEPT) is not _UNKEPT and self._ends[path] < start
+        ]
+
+    def run(self, cells: list[Cell]) -> list[Any]:
+        """The logits (B, ...) of each cell's run: one forward of ``len(cells)`` copies of
+        the inputs, cell i editing copy i, starting above the blocks all cells' layers
+        reuse."""
+        first = min(cell.layer for cell in cells)
+        logits = self.forward(len(cells), first, _RowEditor(self, cells))
+        return [logits[i * self.batch : (i + 1) * self.batch] for i in range(len(cells))]
+
+    def forward(
+        self,
+        copies: int,
+        first: int,
+        editor: Callable[[EditSite], tuple[Any, Any]],
+        hooks: Callable[[ExitStack], None] | None = None,
+    ) -> Any:
+        """One forward of ``copies`` copies of the inputs under ``editor`` (and the forward
+        hooks ``hooks`` registers on the stack), reusing the blocks that ended before layer
+        ``first`` began. Returns the logits (copies·B, ...), or None when a hook raised
+        :class:`Stop`."""
+        torch = require("torch", feature="qkv.patching", extra="torch")
+        inputs = _repeated(self.inputs, self.batch, copies, torch)
+        with ExitStack() as stack:
+            stack.enter_context(torch.no_grad())
+            stack.enter_context(self._reusing(self.skipped(first), copies, torch))
+            stack.enter_context(routed_model(self.model, self.layers, self.where))
+            stack.enter_context(editing(editor))
+            if hooks is not None:
+                hooks(stack)
+            try:
+                logits = self._forward(inputs)
+            except Stop:
+                return None
+        if int(logits.shape[0]) != copies * self.batch:
+            raise ValueError(
+                f"{self.where}: the model gave {int(logits.shape[0])} rows for a batch of "
+                f"{copies} copies of {self.batch}. Hint: batch=1, or a model whose output "
+                "keeps the batch axis first."
+            )
+        return logits
+
+    @contextmanager
+    def _reusing(self, paths: list[str], copies: int, torch: Any) -> Iterator[None]:
+        """Inside the block, the modules at ``paths`` return their kept output (repeated
+        ``copies`` times along the batch) instead of running."""
+        modules = dict(self._blocks)
+        saved: list[tuple[Any, Any]] = []
+        try:
+            for path in paths:
+                module, kept = modules[path], self._kept[path]
+                saved.append((module, module.__dict__.get("forward")))
+
+                def reused(*_: Any, kept: Any = kept, **__: Any) -> Any:
+                    return _repeated(kept, self.batch, copies, torch)
+
+                module.forward = reused
+            yield
+        finally:
+            for module, previous in reversed(saved):
+                if previous is None:
+                    del module.forward
+                else:
+                    module.forward = previous
+
+
+def _bytes(value: Any, torch: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return int(value.numel() * value.element_size())
+    if type(value) in (tuple, list):
+        return sum(_bytes(v, torch) for v in value)
+    return 0
+
+
+class _RowEditor:
+    """The editor of a batched run: cell i writes its head's slice of rows i·B to (i+1)·B
+    (after the edits of an enclosing ``qkv.intervene`` block)."""
+
+    def __init__(self, reuse: Reuse, cells: list[Cell]) -> None:
+        self.batch, self.outer, self.where = reuse.batch, reuse.outer, reuse.where
+        self.index = {id(m): i for i, m in enumerate(reuse.layers.modules)}
+        self.cells: dict[int, list[tuple[int, Cell]]] = {}
+        for row, cell in enumerate(cells):
+            self.cells.setdefault(cell.layer, []).append((row, cell))
+        self.copies = len(cells)
+
+    def __call__(self, site: EditSite) -> tuple[Any, Any]:
+        context, weights = (site.context, site.weights) if self.outer is None else self.outer(site)
+        layer = self.index.get(id(site.module))
+        cells = self.cells.get(layer, []) if layer is not None else []
+        if layer is None or not cells:
+            return context, weights
+        if int(context.shape[0]) != self.copies * self.batch:
+            raise ValueError(
+                f"{self.where}: layer {layer} ran a batch of {int(context.shape[0])}, not "
+                f"{self.copies} copies of {self.batch}. Hint: batch=1."
+            )
+        context = context.clone()
+        weights = None if weights is None else weights.clone()
+        heads, kv_heads = int(context.shape[1]), int(site.key.shape[1])
+        group, positions = heads // kv_heads, positions_of(site)
+        for row, cell in cells:
+            part = slice(row * self.batch, (row + 1) * self.batch)
+            value = site.value[part, cell.head // group]
+            target = Target(context[part], value, positions, site.first_key, layer, cell.where)
+            written = cell.write(target)
+            if isinstance(written, Rows) and weights is not None:
+                weights[part, written.head, written.rows] = written.values.to(weights.dtype)
+        return context, weights
+
+
+def check_batch(batch: object, rows: int, row_bytes: int, where: str) -> int:
+    """The batch rows a sweep runs at once: ``batch`` if given (checked against the memory
+    this process may still take), else up to :data:`DEFAULT_ROWS` that fit in half of it;
+    at most ``rows``.
+
+    Raises:
+        TypeError: ``batch`` is not a positive integer.
+        ValueError: the batch (or one row) needs more memory than the process may take.
+    """
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise TypeError(
+            f"{where}: batch must be a positive integer (heads run at once), got {batch!r}. "
+            "Hint: batch=8; the default fits the memory."
+        )
+    free = available_memory()
+    fit = rows if free is None else max(free // max(row_bytes, 1), 0)
+    if batch is None:
+        if fit < 1:
+            batch = 1  # refused just below, with the numbers
+        else:
+            half = rows if free is None else max(1, free // 2 // max(row_bytes, 1))
+            return max(1, min(rows, DEFAULT_ROWS, half))
+    batch = min(batch, max(rows, 1))
+    if free is not None and batch * row_bytes > free:
+        hint = f"batch={fit}" if fit >= 1 else "fewer tokens, or a smaller model"
+        raise ValueError(
+            f"{where}: a batch of {batch} rows needs about {size_text(batch * row_bytes)} "
+            f"({size_text(row_bytes)} a row: logits, activations and attention scores), more "
+            f"than the {size_text(free)} this process may still take. Hint: {hint}."
+        )
+    return batch
+
+
+@contextmanager
+def bar(enabled: bool, total: int, title: str) -> Iterator[Callable[[int], None]]:
+    """A progress bar on stderr (rich, gone when done; none when stderr is not a
+    terminal): yields ``advance(n)``."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if not enabled or not console.is_terminal:
+        yield lambda n: None
+        return
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task(title, total=total)
+        yield lambda n: progress.update(task, advance=n)

@@ -1,0 +1,296 @@
+"""The sweeps that ``qkv bench``'s patching section and ``benchmarks/bench_patching.py``
+time: qkv's sweep, a forward per head, eager attention with hooks, TransformerLens and
+nnsight, on one GPT-2 model of 12 layers and 12 heads (hidden 96, head size 8, vocabulary
+512, random weights from its config; float32, B = 1), clean and corrupt prompts of N tokens.
+
+``python -m qkv.edits._timing '{"length": 128, "repeats": 1}'`` measures one length in this
+process and prints JSON (``qkv bench`` runs it in a fresh process: its section sits in the
+layer below ``qkv.edits``). TransformerLens and nnsight run when they can be imported
+(``qkv[interp]``); every table is checked against qkv's (to :data:`TOLERANCE`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from qkv.edits._intervene import intervene
+from qkv.edits._patching import patching
+from qkv.edits._record import record
+from qkv.edits._specs import patch
+
+__all__ = ["QKV", "TOLERANCE", "build", "measure", "sweeps"]
+
+TOLERANCE = 1e-4
+VOCAB = 512
+QKV = "qkv.patching"
+
+Table = list[list[float]]
+Sweep = Callable[[Any, torch.Tensor, torch.Tensor], Table]
+
+
+def build(quick: bool) -> Any:
+    """The model: 12 layers x 12 heads, hidden 96 (quick: 2 layers x 4 heads, hidden 16)."""
+    layers, heads, hidden = (2, 4, 16) if quick else (12, 12, 96)
+    config = GPT2Config(
+        vocab_size=VOCAB, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=1024,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model: Any = GPT2LMHeadModel(config)
+    return model.eval()
+
+
+def prompts(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(length)
+    clean = torch.randint(0, VOCAB, (1, length), generator=generator)
+    corrupt = clean.clone()
+    corrupt[0, length // 2] = (corrupt[0, length // 2] + 1) % VOCAB
+    return clean, corrupt
+
+
+def metric(logits: torch.Tensor) -> torch.Tensor:
+    return logits[0, -1, 3] - logits[0, -1, 7]
+
+
+def qkv_metric(logits: torch.Tensor) -> float:
+    return float(metric(logits))
+
+
+def _shape(model: Any) -> tuple[int, int, int]:
+    config = model.config
+    return config.n_layer, config.n_head, config.n_embd // config.n_head
+
+
+@contextmanager
+def _eager(model: Any) -> Iterator[None]:
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def qkv_sweep(model: Any, clean: torch.Tensor, corrupt: torch.Tensor) -> Table:
+    values: Table = patching(model, clean, corrupt, qkv_metric).values
+    return values
+
+
+def per_head_sweep(model: Any, clean: torch.Tensor, corrupt: torch.Tensor) -> Table:
+    source = record(model, clean)
+    layers, heads, _ = _shape(model)
+    table = []
+    with torch.no_grad():
+        for layer in range(layers):
+            row = []
+            for head in range(heads):
+                with intervene(model, patch(layer, head, source)):
+                    row.append(qkv_metric(model(corrupt).logits))
+            table.append(row)
+    return table
+
+
+def eager_sweep(model: Any, clean: torch.Tensor, corrupt: torch.Tensor) -> Table:
+    blocks = model.transformer.h
+    _, heads, width = _shape(model)
+    captured: dict[int, torch.Tensor] = {}
+
+    def capture(index: int) -> Callable[..., None]:
+        def hook(_: Any, args: tuple[torch.Tensor, ...]) -> None:
+            captured[index] = args[0].clone()
+
+        return hook
+
+    def write(index: int, head: int) -> Callable[..., tuple[torch.Tensor, ...]]:
+        part = slice(head * width, (head + 1) * width)
+
+        def hook(_: Any, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+            edited = args[0].clone()
+            edited[..., part] = captured[index][..., part]
+            return (edited, *args[1:])
+
+        return hook
+
+    table = []
+    with torch.no_grad(), _eager(model):
+        handles = [
+            b.attn.c_proj.register_forward_pre_hook(capture(i)) for i, b in enumerate(blocks)
+        ]
+        model(clean)
+        for handle in handles:
+            handle.remove()
+        for i, block in enumerate(blocks):
+            row = []
+            for head in range(heads):
+                handle = block.attn.c_proj.register_forward_pre_hook(write(i, head))
+                row.append(qkv_metric(model(corrupt).logits))
+                handle.remove()
+            table.append(row)
+    return table
+
+
+def _quiet() -> contextlib.ExitStack:
+    """No progress bars or warnings from the peers on the table's terminal."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(contextlib.redirect_stderr(io.StringIO()))
+    stack.enter_context(warnings.catch_warnings())
+    warnings.simplefilter("ignore")
+    return stack
+
+
+def lens_peer(model: Any) -> Sweep | None:
+    """TransformerLens's sweep on a bridge to the same weights (None if not installed)."""
+    if importlib.util.find_spec("transformer_lens") is None:
+        return None
+    from transformer_lens import patching
+    from transformer_lens.model_bridge import TransformerBridge
+
+    folder = tempfile.mkdtemp(prefix="qkv-bench-")
+    model.save_pretrained(folder)
+    logging.getLogger("transformer_lens").setLevel(logging.ERROR)
+    with _quiet():
+        bridge = TransformerBridge.boot_transformers(folder, tokenizer=None)
+    bridge.eval()
+
+    def sweep(_: Any, clean: torch.Tensor, corrupt: torch.Tensor) -> Table:
+        with torch.no_grad(), _quiet():
+            _, cache = bridge.run_with_cache(clean)
+            found = patching.get_act_patch_attn_head_out_all_pos(bridge, corrupt, cache, metric)
+        table: Table = found.tolist()
+        return table
+
+    return sweep
+
+
+def nnsight_peer(model: Any) -> Sweep | None:
+    """An nnsight loop on the same model (None if not installed)."""
+    if importlib.util.find_spec("nnsight") is None:
+        return None
+    from nnsight import LanguageModel
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", pad_token="t1")  # type: ignore[no-untyped-call]
+    with _quiet():
+        wrapped = LanguageModel(model, tokenizer=tokenizer)
+    layers, heads, width = _shape(model)
+
+    def sweep(_: Any, clean: torch.Tensor, corrupt: torch.Tensor) -> Table:
+        kept: dict[int, Any] = {}
+        table = []
+        with torch.no_grad(), _quiet():
+            with wrapped.trace(clean):
+                for i in range(layers):
+                    kept[i] = wrapped.transformer.h[i].attn.c_proj.input.save()
+            for i in range(layers):
+                row = []
+                for head in range(heads):
+                    part = slice(head * width, (head + 1) * width)
+                    with wrapped.trace(corrupt):
+                        z = wrapped.transformer.h[i].attn.c_proj.input
+                        z[:, :, part] = kept[i][:, :, part]
+                        out = wrapped.lm_head.output.save()
+                    row.append(qkv_metric(out))
+                table.append(row)
+        return table
+
+    return sweep
+
+
+def _worst(ours: Table, theirs: Table) -> float:
+    return max(
+        abs(a - b) for ra, rb in zip(ours, theirs, strict=True) for a, b in zip(ra, rb, strict=True)
+    )
+
+
+def sweeps(model: Any, only: list[str] | None = None) -> dict[str, Sweep]:
+    """The sweeps to time, qkv's first; ``only``: those names (and qkv's)."""
+    found: dict[str, Sweep] = {
+        QKV: qkv_sweep,
+        "qkv, a forward per head": per_head_sweep,
+        "eager + hooks": eager_sweep,
+    }
+    for name, make in (("TransformerLens", lens_peer), ("nnsight", nnsight_peer)):
+        if only and name not in only:
+            continue
+        peer = make(model)
+        if peer is not None:
+            found[name] = peer
+    return {k: v for k, v in found.items() if not only or k == QKV or k in only}
+
+
+def forwards(model: Any, name: str) -> str:
+    """The model runs of a sweep: qkv's, the clean and corrupt prompts then a batch per layer
+    (from that layer up); the others, the clean prompt then a run per head."""
+    layers, heads, _ = _shape(model)
+    return f"2 + {layers} batches" if name == QKV else f"{layers * heads + 1}"
+
+
+def measure(
+    model: Any, found: dict[str, Sweep], length: int, repeats: int, clock: str = "wall"
+) -> dict[str, float]:
+    """The median seconds of each sweep at N = ``length``, the sweeps alternating; the first
+    run of each is checked against qkv's table. ``clock``: ``"wall"`` (``perf_counter``) or
+    ``"cpu"`` (this process's CPU time, ``process_time``: what a sweep costs on a machine
+    shared with other jobs, all threads summed).
+
+    Raises:
+        RuntimeError: a sweep's table differs from qkv's by more than :data:`TOLERANCE`.
+    """
+    clean, corrupt = prompts(length)
+    times: dict[str, list[float]] = {name: [] for name in found}
+    tables: dict[str, Table] = {}
+    now = time.process_time if clock == "cpu" else time.perf_counter
+    for repeat in range(max(repeats, 1)):
+        for name, sweep in found.items():
+            start = now()
+            table = sweep(model, clean, corrupt)
+            times[name].append(now() - start)
+            if repeat == 0:
+                tables[name] = table
+    for name, table in tables.items():
+        worst = _worst(tables[QKV], table)
+        if worst > TOLERANCE:
+            raise RuntimeError(f"{name} differs from qkv by {worst:.2e} at N = {length}")
+    return {name: statistics.median(seconds) for name, seconds in times.items()}
+
+
+def warm(model: Any, found: dict[str, Sweep]) -> None:
+    """Run each sweep once on 8 tokens: imports, registrations and first calls."""
+    for sweep in found.values():
+        sweep(model, *prompts(8))
+
+
+def _main(spec: dict[str, Any]) -> dict[str, Any]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    model = build(bool(spec.get("quick")))
+    found = sweeps(model, spec.get("only"))
+    warm(model, found)
+    seconds = measure(
+        model, found, int(spec["length"]), int(spec.get("repeats", 1)), spec.get("clock", "wall")
+    )
+    return {"seconds": seconds, "forwards": {name: forwards(model, name) for name in found}}
+
+
+if __name__ == "__main__":
+    print(json.dumps(_main(json.loads(sys.argv[1]))))
