@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 
 from qkv.attention import explain_dispatch, scaled_dot_product_attention
+from qkv.bench._decode import decode_section
 from qkv.bench._measure import (
     DIM,
     HEADS,
@@ -42,13 +42,14 @@ from qkv.bench._measure import (
     timed,
 )
 from qkv.bench._memory import peak_memory
+from qkv.bench._patching import patching_section, patching_ticks
 from qkv.bench._results import Row, Settings, Table
+from qkv.bench._sdpa_sections import backward_section, trace_section
 from qkv.bench._targets import targets_table, worst
 from qkv.bench._train_step import train_step_section
 from qkv.kernels import tiled_attention
 from qkv.masks import Mask, document, sliding_window
 from qkv.masks import causal as causal_rule
-from qkv.nn import KVCache
 
 __all__ = [
     "MASK_KINDS",
@@ -300,40 +301,6 @@ def masks_section(settings: Settings, tick: Callable[[], None]) -> Table:
     return table
 
 
-def backward_section(settings: Settings, tick: Callable[[], None]) -> Table:
-    """Forward + backward, dense and causal: tiled against SDPA's flash kernel (compiled
-    FlexAttention has no backward on CPU)."""
-    length = settings.train_length
-    table = Table(
-        "backward",
-        f"Forward + backward at N={length} (B=1, H=8, D=64, float32)",
-        "sdpa-flash",
-        note="ratio: time / sdpa-flash time (forward, then the gradients of q, k and v).",
-    )
-    q, k, v = (x.requires_grad_() for x in inputs(length))
-    grad = torch.randn(1, HEADS, length, DIM, generator=torch.Generator().manual_seed(1))
-    flash = sdpa_peer("flash")
-
-    def train(forward: Callable[[], torch.Tensor]) -> Callable[[], Any]:
-        return lambda: torch.autograd.grad(forward(), (q, k, v), grad)
-
-    for causal in (False, True):
-        runs = {
-            "tiled": train(lambda: tiled_attention(q, k, v, is_causal=causal)),  # noqa: B023
-            "sdpa-flash": train(lambda: flash(q, k, v, causal)),  # noqa: B023
-        }
-        seconds_of = medians(runs, settings.repeats)
-        share = causal_share(length) if causal else 1.0
-        for name, seconds in seconds_of.items():
-            flops = 3.5 * forward_flops(length, length, share)
-            row = Row("causal" if causal else "dense", length, name, seconds, flops)
-            row.spread = seconds_of.spreads[name]
-            table.rows.append(row)
-        tick()
-    ratios(table.rows, "sdpa-flash")
-    return table
-
-
 TRAINED_MASKS = ("window", "documents")
 """The structured masks of the forward + backward table (causal: the backward table)."""
 
@@ -438,87 +405,6 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
-def trace_section(settings: Settings, tick: Callable[[], None]) -> Table:
-    """What the public entry costs over the kernel (tracing off, checks, dispatch)."""
-    length = settings.trace_length
-    q, k, v = inputs(length)
-    runs = {
-        "tiled kernel": lambda: tiled_attention(q, k, v, is_causal=True),
-        "qkv tiled": lambda: scaled_dot_product_attention(q, k, v, is_causal=True, backend="tiled"),
-        "sdpa direct": lambda: sdpa_peer("flash")(q, k, v, True),
-        "qkv auto": lambda: scaled_dot_product_attention(q, k, v, is_causal=True),
-    }
-    seconds_of = medians(runs, max(settings.repeats, 9))  # short runs, a small difference
-    table = Table(
-        "trace",
-        f"Cost of the public entry with tracing off, causal, N={length}",
-        "",
-        note=(
-            "qkv tiled: qkv.scaled_dot_product_attention(..., backend='tiled') against the "
-            "kernel called directly; qkv auto (which picks sdpa) against torch's SDPA."
-        ),
-    )
-    flops = forward_flops(length, length, causal_share(length))
-    pairs = (("tiled kernel", "qkv tiled"), ("sdpa direct", "qkv auto"))
-    for base, entry in pairs:
-        table.rows.append(Row("causal", length, base, seconds_of[base], flops))
-        row = Row("causal", length, entry, seconds_of[entry], flops)
-        row.ratio = seconds_of[entry] / seconds_of[base]
-        table.rows.append(row)
-    tick()
-    return table
-
-
-def decode_section(settings: Settings, tick: Callable[[], None]) -> Table:
-    """One decoding step with a KV cache against recomputing causal attention."""
-    length = settings.decode_length
-    q, k, v = inputs(length + 1)
-    note = "qkv.nn.KVCache"
-    cache = KVCache()
-    with torch.no_grad():
-        cache.append(k[:, :, :length], v[:, :, :length])
-
-    def step() -> Any:
-        with torch.no_grad():
-            keys, values = cache.append(k[:, :, length:], v[:, :, length:])
-            return scaled_dot_product_attention(
-                q[:, :, length:],
-                keys,
-                values,
-                is_causal=True,
-                causal_alignment="bottom-right",
-            )
-
-    def recompute() -> Any:
-        with torch.no_grad():
-            return scaled_dot_product_attention(q, k, v, is_causal=True)
-
-    step_times = [timed(step) for _ in range(max(settings.repeats, 5) + 1)][1:]
-    full = medians({"recompute": recompute}, min(settings.repeats, 2))["recompute"]
-    table = Table(
-        "decode",
-        f"One decoding step, KV cache of {length} tokens",
-        "recompute",
-        note=f"decode: append one token to a {note} and attend; recompute: causal attention "
-        f"over all {length + 1} tokens (qkv auto). ratio: time / recompute time.",
-    )
-    table.rows.append(
-        Row(
-            "decode",
-            length,
-            "recompute",
-            full,
-            forward_flops(length + 1, length + 1, causal_share(length + 1)),
-        )
-    )
-    table.rows.append(
-        Row("decode", length, "decode", statistics.median(step_times), forward_flops(1, length + 1))
-    )
-    ratios(table.rows, "recompute")
-    tick()
-    return table
-
-
 # -- running -------------------------------------------------------------------------------
 
 SECTIONS: dict[
@@ -533,6 +419,7 @@ SECTIONS: dict[
     "long": (long_section, lambda s: 1),
     "trace": (trace_section, lambda s: 1),
     "decode": (decode_section, lambda s: 1),
+    "patching": (patching_section, patching_ticks),
 }
 
 

@@ -93,6 +93,17 @@ TARGETS: tuple[tuple[str, str, str, str, tuple[str, ...], str, float], ...] = (
         "",
         1.0,
     ),
+    ("decode", "gqa", "decode: split-kv ÷ cache read", "split-kv", ("cache-read",), "", 1.3),
+    ("decode", "gqa", "decode: split-kv ÷ sdpa", "split-kv", ("sdpa",), "", 1.0),
+    (
+        "decode",
+        "gqa",
+        "paged decode: split-kv ÷ flex-compiled",
+        "split-kv-paged",
+        ("flex-compiled-paged",),
+        "",
+        1.0,
+    ),
 )
 
 

@@ -4,10 +4,16 @@ Each batch row b reads cache row ``cache_batch_idx[b]`` (default b). Its keys ar
 positions ``cache_leftpad[b]`` (default 0) up to ``cache_seqlens[b]`` plus the new ones, and
 causal masks, windows and ALiBi are aligned to the end of that span, as flash-attn does.
 With ``block_table`` the cache is paged: rows read and write their pages through it.
+
+A decode step (a few query tokens, causal or not, without ALiBi, softcap or a local window,
+no gradient, on the CPU) runs the split-KV kernel (:mod:`qkv.kernels._decode`) on the cache
+where it lies; inside a ``qkv.tracing`` block the call runs qkv's attention, which records its
+steps, and the call's meta lists the pages each row read (``pages``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -21,7 +27,9 @@ from qkv.flash_attn._core import (
     fail,
     window,
 )
+from qkv.kernels._decode import decode_attention
 from qkv.masks import from_function
+from qkv.trace import blocks_open, current_trace
 
 __all__ = ["apply_rotary", "flash_attn_with_kvcache"]
 
@@ -216,6 +224,22 @@ def flash_attn_with_kvcache(
                 where_rows, slots = table.gather(1, slots // size), slots % size
             k_cache[where_rows, slots] = k.detach().to(k_cache.dtype)
             v_cache[where_rows, slots] = v.detach().to(v_cache.dtype)
+    if _decodes(q, k_cache, seqlen_q, left, right, softcap, alibi_slopes):
+        out, lse = decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            ends=ends.tolist(),
+            starts=None if cache_leftpad is None else leftpad.tolist(),
+            rows=None if cache_batch_idx is None else rows.tolist(),
+            block_table=table,
+            scale=_scale(softmax_scale, dim),
+            causal=right == 0,
+            return_lse=return_softmax_lse,
+        )
+        if lse is None:
+            return out
+        return out, torch.where(lse == -math.inf, math.inf, lse)  # flash-attn: +inf, no key
     if table is not None:  # the pages of each row, one after another (unused pages: any)
         pages = table.clamp(0, rows_cache - 1)
         keys, values = k_cache[pages].flatten(1, 2), v_cache[pages].flatten(1, 2)
@@ -239,7 +263,47 @@ def flash_attn_with_kvcache(
         want_probs=False,
     )
     out = result.out.transpose(1, 2).contiguous()
+    trace = current_trace() if blocks_open() else None
+    if trace is not None and table is not None:  # the pages each row read, in the call's meta
+        size = int(k_cache.shape[1])
+        used = [row[: -(-e // size)] for row, e in zip(table.tolist(), ends.tolist(), strict=True)]
+        trace.amend_last_call({}, pages={"block_size": size, "blocks": used})
     return (out, result.lse) if return_softmax_lse else out
+
+
+def _decodes(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    seqlen_q: int,
+    left: int | None,
+    right: int | None,
+    softcap: Any,
+    alibi_slopes: Any,
+) -> bool:
+    """Whether the split-KV kernel runs the call: a decode step it computes exactly."""
+    grad = torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad)
+    return (
+        q.device.type == "cpu"
+        and seqlen_q <= 16
+        and left is None
+        and right in (None, 0)
+        and not softcap
+        and alibi_slopes is None
+        and not grad
+        and not blocks_open()
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _scale(softmax_scale: Any, dim: int) -> float:
+    if isinstance(softmax_scale, bool) or not (
+        softmax_scale is None or isinstance(softmax_scale, int | float)
+    ):
+        raise fail(_WHO, f"softmax_scale must be a number or None, got {softmax_scale!r}.")
+    scale = float(dim**-0.5 if softmax_scale is None else softmax_scale)
+    if not math.isfinite(scale):
+        raise fail(_WHO, f"softmax_scale must be finite, got {softmax_scale!r}.")
+    return scale
 
 
 def _block_table(

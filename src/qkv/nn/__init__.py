@@ -5,6 +5,8 @@
   ``from_torch`` to take over a ``torch.nn.MultiheadAttention`` with its weights.
 - :class:`KVCache` - keys and values of the tokens seen so far, optionally a sliding window,
   and with ``track_weights=True`` the attention mass each token received (for eviction).
+- :class:`PagedKVCache` - a pool of fixed-size blocks shared by many sequences of different
+  lengths (flash-attn's paged layout), allocated as they grow and freed as they end.
 - :class:`TransformerBlock` - pre-norm attention and MLP.
 - :func:`masks_from_torch` - torch's True = ignore / additive masks to qkv's True = attend.
 - :func:`split_sequence` - sequence parallelism: every attention layer of a model runs on
@@ -31,6 +33,7 @@ require("torch", feature="qkv.nn")
 from qkv.nn._block import TransformerBlock  # noqa: E402
 from qkv.nn._cache import KVCache  # noqa: E402
 from qkv.nn._mha import MultiHeadAttention  # noqa: E402
+from qkv.nn._paged import PagedKVCache  # noqa: E402
 from qkv.nn._sequence import SequenceSplit  # noqa: E402
 from qkv.nn._split import split_sequence  # noqa: E402
 from qkv.nn._torch import masks_from_torch  # noqa: E402
@@ -38,6 +41,7 @@ from qkv.nn._torch import masks_from_torch  # noqa: E402
 __all__ = [
     "KVCache",
     "MultiHeadAttention",
+    "PagedKVCache",
     "SequenceSplit",
     "TransformerBlock",
     "masks_from_torch",

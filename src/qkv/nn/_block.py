@@ -16,6 +16,7 @@ from torch import nn
 from qkv.masks import Mask
 from qkv.nn._cache import KVCache
 from qkv.nn._mha import MultiHeadAttention
+from qkv.nn._paged import PagedKVCache
 from qkv.positional import ALiBi, RoPE
 
 __all__ = ["TransformerBlock"]
@@ -84,7 +85,7 @@ class TransformerBlock(nn.Module):
         mask: torch.Tensor | Mask | None = None,
         key_padding_lengths: torch.Tensor | Sequence[int] | None = None,
         is_causal: bool = False,
-        cache: KVCache | None = None,
+        cache: KVCache | PagedKVCache | None = None,
         cu_seqlens: torch.Tensor | Sequence[int] | None = None,
     ) -> torch.Tensor:
         """(B, L, E) → (B, L, E). The options are those of :meth:`MultiHeadAttention.forward`

@@ -24,10 +24,62 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "LayerCache"]
 
 
-class KVCache:
+class LayerCache:
+    """What every cache of :class:`qkv.nn.MultiHeadAttention` shares: one layer owns it, its
+    new keys and values are (B, Hkv, Lnew, D), and the positions RoPE turns new tokens by.
+
+    Subclasses: :class:`KVCache` (one buffer per tensor, all rows one length) and
+    :class:`qkv.nn.PagedKVCache` (a pool of pages, one length per sequence).
+    """
+
+    max_length: int | None = None  # a sliding window of the last W tokens (None: all)
+    track_weights: bool = False  # keeps the attention mass each token received
+    position: int = 0  # tokens appended (the longest row's), the next token's position
+
+    def __init__(self) -> None:
+        self._owner: int | None = None
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add the new tokens; return the keys and values to attend over (B, Hkv, L, D)."""
+        raise NotImplementedError
+
+    def rope_positions(
+        self, new: int, positions: torch.Tensor | None, device: torch.device
+    ) -> tuple[int, torch.Tensor | None]:
+        """``(offset, positions)`` for :func:`qkv.positional.apply_rope` of ``new`` tokens
+        about to be appended: here every row continues at :attr:`position`."""
+        del new, device
+        return self.position, positions
+
+    def _check_new(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        who = f"{type(self).__name__}.append"
+        if key.ndim != 4 or value.ndim != 4:
+            raise ValueError(
+                f"{who}: key and value must be (B, Hkv, Lnew, D); got key "
+                f"{tuple(key.shape)} and value {tuple(value.shape)}. Hint: split heads first."
+            )
+        if key.shape[:3] != value.shape[:3]:
+            raise ValueError(
+                f"{who}: key {tuple(key.shape)} and value {tuple(value.shape)} must "
+                "agree on (B, Hkv, Lnew): one value per key."
+            )
+
+    def _claim(self, owner: object) -> None:
+        """Tie the cache to the first module that uses it: one cache serves one layer."""
+        if self._owner is None or self.position == 0:
+            self._owner = id(owner)
+        elif self._owner != id(owner):
+            name = type(self).__name__
+            raise ValueError(
+                f"this {name} already holds the keys and values of another attention layer. "
+                f"Hint: make one cache per layer, e.g. [{name}(...) for _ in model.blocks]."
+            )
+
+
+class KVCache(LayerCache):
     """Keys and values of the tokens seen so far, for one attention layer.
 
     Pass the same cache to every call of one layer
@@ -81,10 +133,10 @@ class KVCache:
                 f"KVCache: track_weights must be True or False, got {track_weights!r}. "
                 "Hint: KVCache(track_weights=True) keeps cache.attention_mass."
             )
+        super().__init__()
         self.max_length = max_length
         self.track_weights = track_weights
         self._initial = capacity
-        self._owner: int | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -274,16 +326,7 @@ class KVCache:
         self._start, self._end = 0, held
 
     def _check(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        if key.ndim != 4 or value.ndim != 4:
-            raise ValueError(
-                f"KVCache.append: key and value must be (B, Hkv, Lnew, D); got key "
-                f"{tuple(key.shape)} and value {tuple(value.shape)}. Hint: split heads first."
-            )
-        if key.shape[:3] != value.shape[:3]:
-            raise ValueError(
-                f"KVCache.append: key {tuple(key.shape)} and value {tuple(value.shape)} must "
-                "agree on (B, Hkv, Lnew): one value per key."
-            )
+        self._check_new(key, value)
         if self._keys is None or self._values is None:
             return
         held_k, held_v = tuple(self._keys.shape), tuple(self._values.shape)
@@ -298,14 +341,4 @@ class KVCache:
             raise ValueError(
                 f"KVCache.append: the new key is {key.dtype} on {key.device} but the cache "
                 f"holds {self._keys.dtype} on {self._keys.device}. Hint: cache.reset() first."
-            )
-
-    def _claim(self, owner: object) -> None:
-        """Tie the cache to the first module that uses it: one cache serves one layer."""
-        if self._owner is None or self.position == 0:
-            self._owner = id(owner)
-        elif self._owner != id(owner):
-            raise ValueError(
-                "this KVCache already holds the keys and values of another attention layer. "
-                "Hint: make one cache per layer, e.g. [KVCache() for _ in model.blocks]."
             )

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from qkv.masks import Mask
-from qkv.nn._cache import KVCache
+from qkv.nn._cache import LayerCache
 
 __all__ = ["check_inputs", "check_packed", "divisors", "positive"]
 
@@ -20,7 +20,7 @@ def check_inputs(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    cache: KVCache | None,
+    cache: LayerCache | None,
     self_attention: bool,
     *,
     widths: tuple[int, int, int],
@@ -71,10 +71,10 @@ def check_inputs(
             f"key {tuple(key.shape)}."
         )
     if cache is not None:
-        if not isinstance(cache, KVCache):
+        if not isinstance(cache, LayerCache):
             raise TypeError(
                 f"cache must be a qkv.nn.KVCache, got {type(cache).__name__}. "
-                "Hint: cache = qkv.nn.KVCache()."
+                "Hint: cache = qkv.nn.KVCache(), or qkv.nn.PagedKVCache(...) for many sequences."
             )
         if not self_attention:
             raise ValueError(
@@ -112,27 +112,79 @@ def check_packed(
     is_causal: bool,
 ) -> tuple[Mask, torch.Tensor]:
     """The rule of packed sequences (each attends only to itself, causal within it when
-    asked) and each token's position within its sequence (for RoPE), after the checks."""
+    asked) and each token's position within its sequence, (T,) (for RoPE), after the checks.
+
+    While torch.compile traces, nothing is read: the offsets' values are checked when the
+    graph runs (``qkv::packed_offsets``) and the rule and positions are tensor operations.
+    """
     from qkv.attention._packed import offsets, packed_rule
 
-    problems = (
-        (not self_attention, "self-attention only (key and value are the packed query)"),
-        (cache is not None, "no KV cache (decoding goes one sequence at a time)"),
-        (lengths is not None, "no key_padding_lengths (packing leaves no padding)"),
-        (mask is not None and not isinstance(mask, Mask), "a mask only as a qkv.masks rule"),
-        (query.shape[0] != 1, f"a query of batch 1, (1, T, E), got {tuple(query.shape)}"),
-    )
-    for wrong, needed in problems:
+    for wrong, needed, hint in _packing_refusals(query, self_attention, mask, lengths, cache):
         if wrong:
-            raise ValueError(
-                f"cu_seqlens (packed sequences) takes {needed}. Hint: pack the sequences "
-                "into one row, query (1, T, E), cu_seqlens = [0, len_1, len_1 + len_2, ...]."
-            )
+            raise ValueError(f"cu_seqlens (packed sequences) takes {needed}. Hint: {hint}.")
+    tokens = int(query.shape[1])
+    right = 0 if is_causal else None
+    if torch.compiler.is_compiling():
+        from qkv.attention._packed_graph import Sequences, graph_rule, traced_offsets
+
+        cu = traced_offsets(
+            cu_seqlens, "cu_seqlens", tokens, "query", "MultiHeadAttention", query.device
+        )
+        sequences = Sequences.of(cu, tokens)
+        return graph_rule(sequences, sequences, None, right, "top-left"), sequences.place(
+            "top-left"
+        )
     starts = offsets(
-        cu_seqlens, "cu_seqlens", int(query.shape[1]), "query", who="MultiHeadAttention"
+        cu_seqlens, "cu_seqlens", tokens, "query", "MultiHeadAttention", device=query.device
     )
-    rule = packed_rule(starts, starts, None, 0 if is_causal else None, "top-left")
+    rule = packed_rule(starts, starts, None, right, "top-left")
     lengths_of = torch.tensor(starts).diff()
     first = torch.repeat_interleave(torch.tensor(starts[:-1]), lengths_of)  # (T,)
-    positions = (torch.arange(int(query.shape[1])) - first).to(query.device)  # (T,)
+    positions = (torch.arange(tokens) - first).to(query.device)  # (T,)
     return rule, positions
+
+
+def _packing_refusals(
+    query: torch.Tensor, self_attention: bool, mask: Any, lengths: Any, cache: Any
+) -> tuple[tuple[bool, str, str], ...]:
+    """(refused, what packing takes instead, the hint that fits) for each option."""
+    mask_got = (
+        f"{mask.dtype} tensor of shape {tuple(mask.shape)}"
+        if hasattr(mask, "shape")
+        else type(mask).__name__
+    )
+    return (
+        (
+            not self_attention,
+            "self-attention only (key=None: key and value are the packed query), got a key",
+            "for cross-attention between packed sequences, project the heads and call "
+            "qkv.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, "
+            "max_seqlen_k), which takes separate offsets for queries and keys",
+        ),
+        (
+            cache is not None,
+            "no KV cache (a cache holds one sequence per batch row)",
+            "train or prefill packed without cache=; to decode sequences of different "
+            "lengths together, give each a batch row of its own in a qkv.nn.PagedKVCache",
+        ),
+        (
+            lengths is not None,
+            "no key_padding_lengths (packed sequences have no padding: cu_seqlens gives "
+            "their lengths)",
+            "drop key_padding_lengths and pack the real tokens only: a sequence of n "
+            "tokens adds n to the running total in cu_seqlens",
+        ),
+        (
+            mask is not None and not isinstance(mask, Mask),
+            f"a mask only as a qkv.masks rule in packed positions, got a {mask_got}",
+            "a rule such as masks.sliding_window(128) applies within every sequence; a "
+            "(T, T) boolean tensor of your own becomes one with "
+            "masks.from_function(lambda b, h, q, kv: allowed[q, kv])",
+        ),
+        (
+            query.shape[0] != 1,
+            f"a query of batch 1, (1, T, E), got {tuple(query.shape)}",
+            "pack the sequences into one row, query (1, T, E), cu_seqlens = [0, len_1, "
+            "len_1 + len_2, ...]",
+        ),
+    )

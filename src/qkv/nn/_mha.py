@@ -30,6 +30,7 @@ from qkv.masks import Mask, alibi
 from qkv.nn._cache import KVCache
 from qkv.nn._inputs import check_inputs, check_packed, divisors, positive
 from qkv.nn._masks import MaskLike, combine_masks
+from qkv.nn._paged import PagedKVCache
 from qkv.nn._sequence import SequenceSplit, check_split, split_attention
 from qkv.nn._torch import read_torch
 from qkv.positional import ALiBi, RoPE, alibi_slopes, apply_rope
@@ -281,7 +282,7 @@ class MultiHeadAttention(nn.Module):
         mask: MaskLike | None = ...,
         key_padding_lengths: torch.Tensor | Sequence[int] | None = ...,
         is_causal: bool = ...,
-        cache: KVCache | None = ...,
+        cache: KVCache | PagedKVCache | None = ...,
         need_weights: Literal[False] = ...,
         cu_seqlens: torch.Tensor | Sequence[int] | None = ...,
     ) -> torch.Tensor: ...
@@ -296,7 +297,7 @@ class MultiHeadAttention(nn.Module):
         mask: MaskLike | None = ...,
         key_padding_lengths: torch.Tensor | Sequence[int] | None = ...,
         is_causal: bool = ...,
-        cache: KVCache | None = ...,
+        cache: KVCache | PagedKVCache | None = ...,
         need_weights: Literal[True],
         cu_seqlens: torch.Tensor | Sequence[int] | None = ...,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -310,7 +311,7 @@ class MultiHeadAttention(nn.Module):
         mask: MaskLike | None = None,
         key_padding_lengths: torch.Tensor | Sequence[int] | None = None,
         is_causal: bool = False,
-        cache: KVCache | None = None,
+        cache: KVCache | PagedKVCache | None = None,
         need_weights: bool = False,
         cu_seqlens: torch.Tensor | Sequence[int] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -329,8 +330,9 @@ class MultiHeadAttention(nn.Module):
             is_causal: each query attends only to keys at its position or before. The queries
                 are the last positions of the keys (bottom-right alignment), as when
                 decoding with a cache.
-            cache: a :class:`qkv.nn.KVCache` (self-attention only): the new keys and values
-                are appended to it and the queries attend to everything it holds.
+            cache: a :class:`qkv.nn.KVCache` or :class:`qkv.nn.PagedKVCache` (self-attention
+                only): the new keys and values are appended to it and the queries attend to
+                everything it holds (with a paged cache, each batch row to its own sequence).
             need_weights: also return the attention weights (B, H, Lq, Lk), per head and
                 before dropout (this runs the reference path).
             cu_seqlens: (S + 1,) integers for packed training: ``query`` is (1, T, E), S
@@ -405,7 +407,7 @@ class MultiHeadAttention(nn.Module):
         mask: MaskLike | None,
         key_padding_lengths: torch.Tensor | Sequence[int] | None,
         is_causal: bool,
-        cache: KVCache | None,
+        cache: KVCache | PagedKVCache | None,
         need_weights: bool,
         positions: torch.Tensor | None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -446,7 +448,7 @@ class MultiHeadAttention(nn.Module):
         mask: MaskLike | None,
         key_padding_lengths: torch.Tensor | Sequence[int] | None,
         is_causal: bool,
-        cache: KVCache | None,
+        cache: KVCache | PagedKVCache | None,
         need_weights: bool,
         positions: torch.Tensor | None,
         trace: Trace | None,
@@ -469,15 +471,29 @@ class MultiHeadAttention(nn.Module):
             k = torch.cat((k, k.new_zeros(batch, Hkv, 1, D)), dim=2)
             v = torch.cat((v, v.new_zeros(batch, Hkv, 1, D)), dim=2)
 
-        offset = 0 if cache is None else cache.position
+        held, offset, at = 0 if cache is None else cache.position, 0, positions
+        if cache is not None:  # a paged cache's rows each continue at their own position
+            offset, at = cache.rope_positions(lq, positions, query.device)
         if isinstance(self.positional, RoPE):
             base, layout = self.positional.base, self.positional.layout
-            q = apply_rope(q, positions, offset=offset, base=base, layout=layout)
-            k = apply_rope(k, positions, offset=offset, base=base, layout=layout)
+            q = apply_rope(q, at, offset=offset, base=base, layout=layout)
+            k = apply_rope(k, at, offset=offset, base=base, layout=layout)
         if cache is not None:
             cache._claim(self)
+            plain = trace is None and mask is None and key_padding_lengths is None
+            plain = plain and not need_weights and self.sinks is None and active_editor() is None
+            plain = plain and not isinstance(self.positional, ALiBi)
+            plain = plain and not (self.training and self.dropout > 0)
+            if plain and isinstance(cache, PagedKVCache) and cache.decodes(q, k, v):
+                context = cache.decode(q, k, v, causal=is_causal)  # split-KV on the pages
+                output: torch.Tensor = self.out_proj(
+                    context.transpose(1, 2).reshape(batch, lq, H * D)
+                )
+                return output
             k, v = cache.append(k, v)  # (B, Hkv, L + Lq, D): the tokens held and the new ones
             lk = int(k.shape[2])
+            if isinstance(cache, PagedKVCache):  # rows shorter than the longest: padded
+                mask = cache.pad_mask(mask, lq)
         extra = int(k.shape[2]) - lk  # rows from add_bias_kv / add_zero_attn
 
         allowed, bias, causal_flag = combine_masks(
@@ -493,7 +509,7 @@ class MultiHeadAttention(nn.Module):
             device=query.device,
         )
         # A cache that tracks weights sums each held key's weights over the decoding steps.
-        track = cache if cache is not None and cache.track_weights else None
+        track = cache if isinstance(cache, KVCache) and cache.track_weights else None
         score_mod = None
         if isinstance(self.positional, ALiBi):
             # The dispatcher turns it into an (H, Lq, Lk) bias where that is faster.
@@ -518,6 +534,8 @@ class MultiHeadAttention(nn.Module):
             return_weights=wanted,
         )
         context, weights = out if wanted else (out, None)  # (B, H, Lq, D)
+        if trace is not None and isinstance(cache, PagedKVCache):  # the blocks it read
+            trace.amend_last_call({}, pages=cache.read_meta())
         editor = active_editor()
         if editor is not None:  # inside qkv.intervene: the edits of this layer
 
@@ -526,7 +544,7 @@ class MultiHeadAttention(nn.Module):
                 return torch.from_numpy(found).to(q.device)
 
             last = cache is not None or (is_causal and lq < lk)
-            first_key = 0 if cache is None else offset + lq - lk  # a window let tokens go
+            first_key = 0 if cache is None else held + lq - lk  # a window let tokens go
             site = EditSite(self, q, k, v, context, weights, last, rows_of, first_key)
             context, weights = editor(site)
         if track is not None and weights is not None:
