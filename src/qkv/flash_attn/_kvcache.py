@@ -470,3 +470,10 @@ def _cache_positions(
         sequences=batch,
         mask=from_function(visible, "flash_attn kv cache", blocks=blocks),
     )
+
+
+flash_attn_with_kvcache = torch.compiler.disable(  # type: ignore[no-untyped-call]
+    flash_attn_with_kvcache,
+    reason="flash_attn_with_kvcache reads cache_seqlens to place the new keys and writes the "
+    "cache in place: it runs outside the compiled graph",
+)

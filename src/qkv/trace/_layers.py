@@ -50,6 +50,7 @@ class Selection:
             ValueError: a selected index does not exist in this call.
 
         Example:
+            >>> from qkv.trace import Trace
             >>> Trace(queries=(0, -1)).selection("query", 5)
             [0, 4]
         """
