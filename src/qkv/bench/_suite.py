@@ -45,6 +45,7 @@ from qkv.bench._memory import peak_memory
 from qkv.bench._patching import patching_section, patching_ticks
 from qkv.bench._results import Row, Settings, Table
 from qkv.bench._sdpa_sections import backward_section, trace_section
+from qkv.bench._tables import ON_REQUEST
 from qkv.bench._targets import targets_table, worst
 from qkv.bench._train_step import train_step_section
 from qkv.kernels import tiled_attention
@@ -425,10 +426,13 @@ SECTIONS: dict[
 
 def run_suite(
     settings: Settings,
-    sections: Sequence[str] = tuple(SECTIONS),
+    sections: Sequence[str] | None = None,
     tick: Callable[[str], None] = lambda name: None,
 ) -> Iterator[Table]:
-    """Measure the sections one after the other, yielding each table when it is done."""
+    """Measure the sections one after the other (default: all but those run only on request,
+    :data:`~qkv.bench._tables.ON_REQUEST`), yielding each table when it is done."""
+    if sections is None:
+        sections = tuple(name for name in SECTIONS if name not in ON_REQUEST)
     threads = torch.get_num_threads()
     if settings.threads:
         torch.set_num_threads(settings.threads)

@@ -11,6 +11,7 @@ from qkv.bench._results import MOST_REPEATS, Settings, Table
 
 __all__ = [
     "END",
+    "ON_REQUEST",
     "PLOTTED",
     "SECTION_NAMES",
     "START",
@@ -35,6 +36,9 @@ SECTION_NAMES = (
     "decode",
     "patching",
 )
+ON_REQUEST = ("patching",)
+"""Sections that run only when named (``--only patching``): the patching sweeps start
+TransformerLens and nnsight in processes of their own and take minutes."""
 TABLE_KEYS = (*SECTION_NAMES, "targets")  # "targets" is read from the others' ratios
 PLOTTED = ("dense", "masks")  # the tables drawn as plots, in img/bench-KEY.png beside the page
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from qkv import _io
 from qkv.bench import Settings, Table, _tables
-from qkv.bench._tables import SECTION_NAMES
+from qkv.bench._tables import ON_REQUEST, SECTION_NAMES
 from qkv.cli._bench_ring import add_ring
 from qkv.cli._common import (
     MAX_THREADS,
@@ -42,7 +42,8 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         choices=SECTION_NAMES,
         metavar="SECTION",
-        help=f"run only these sections: {', '.join(SECTION_NAMES)} (default: all)",
+        help=f"run only these sections: {', '.join(SECTION_NAMES)} (default: all but "
+        f"{', '.join(ON_REQUEST)}, which runs only when named)",
     )
     parser.add_argument(
         "--lengths",
@@ -107,7 +108,7 @@ def _run(args: argparse.Namespace) -> int:
         overrides["threads"] = args.threads
     if overrides:
         settings = _suite.Settings(**{**settings.__dict__, **overrides})
-    sections = tuple(args.only or SECTION_NAMES)
+    sections = tuple(args.only or (n for n in SECTION_NAMES if n not in ON_REQUEST))
     _check_memory(settings, sections)
 
     console = Console(width=min(Console().width, 80), highlight=False, emoji=False)
