@@ -267,9 +267,8 @@ def _prepare(call: Call) -> bool | None:
     log-sum-exp can vouch for the output
     (:func:`qkv.kernels._torch_sdpa.flash_causal_flag`); else None."""
     options = call.options
-    if call.grad or call.lead != ("batch", "head") or options.mask is not None:
-        return None
-    if options.bias is not None:
+    plain = options.mask is None and options.bias is None
+    if call.grad or call.lead != ("batch", "head") or not plain:
         return None
     from qkv.kernels._torch_sdpa import flash_causal_flag
 
