@@ -22,12 +22,14 @@ memory, O(Lq·L) work per step, never L².
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
 __all__ = ["KVCache", "LayerCache"]
 
 
-class LayerCache:
+class LayerCache(ABC):
     """What every cache of :class:`qkv.nn.MultiHeadAttention` shares: one layer owns it, its
     new keys and values are (B, Hkv, Lnew, D), and the positions RoPE turns new tokens by.
 
@@ -42,9 +44,9 @@ class LayerCache:
     def __init__(self) -> None:
         self._owner: int | None = None
 
+    @abstractmethod
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add the new tokens; return the keys and values to attend over (B, Hkv, L, D)."""
-        raise NotImplementedError
 
     def rope_positions(
         self, new: int, positions: torch.Tensor | None, device: torch.device
