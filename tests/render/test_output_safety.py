@@ -198,7 +198,7 @@ def test_any_token_is_inert_in_markdown_and_text(tokens: list[str]) -> None:
 
 
 def test_visible_writes_out_controls_only() -> None:
-    from qkv.render._format import visible
+    from qkv._format import visible
 
     assert visible("a\x1bb\tc\u202ed\x9b") == "a\\x1bb\\tc\\u202ed\\x9b"
     assert visible("naïve 東京 🙂 d_k") == "naïve 東京 🙂 d_k"

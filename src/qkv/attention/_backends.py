@@ -18,7 +18,6 @@ entry here.
 
 from __future__ import annotations
 
-from qkv._array import Array
 from qkv.attention import _backend
 from qkv.attention._backend import (
     MEMORY_FRACTION,
@@ -32,7 +31,7 @@ from qkv.attention._backend_flex import FLEX
 from qkv.attention._backend_sdpa import SDPA
 from qkv.attention._backend_tiled import TILED
 from qkv.attention._options import Call
-from qkv.attention._reference import attend
+from qkv.attention._reference import attend_call
 
 __all__ = ["BACKENDS", "Backend", "BackendName", "name_width", "planned", "stepwise"]
 
@@ -50,23 +49,11 @@ def _reference_refusal(call: Call, auto: bool) -> str | None:
     return None
 
 
-def _run_reference(call: Call) -> tuple[Array, Array | None]:
-    return attend(
-        call.xp,
-        call.query,
-        call.key,
-        call.value,
-        call.options,
-        lead=call.lead,
-        recorder=call.recorder,
-    )
-
-
 REFERENCE = Backend(
     "reference",
     "the readable reference; forms every step",
     _reference_refusal,
-    _run_reference,
+    attend_call,
     fast=False,
     records_steps=True,
     runs="NumPy and PyTorch",

@@ -35,13 +35,13 @@ from typing import Any
 
 from qkv._array import Array, compute_dtype, device
 from qkv.attention._guards import check_overflow, clean_scores, quiet, weighted_sum
-from qkv.attention._options import Options, make_call
+from qkv.attention._options import Call, Options, make_call
 from qkv.attention._recorder import Positions, Recorder
 from qkv.attention._softmax import _softmax
 from qkv.masks import Alignment, Mask, ScoreMod, dropout_keep
 from qkv.trace import Trace
 
-__all__ = ["attend", "reference_attention", "scale_formula", "weighted_sum"]
+__all__ = ["attend", "attend_call", "reference_attention", "scale_formula", "weighted_sum"]
 
 _NO_RECORD = Recorder()
 
@@ -140,7 +140,13 @@ def reference_attention(
         sinks=sinks,
         trace=trace,
     )
-    context, weights = attend(
+    context, weights = attend_call(call)
+    return (context, weights) if return_weights else context
+
+
+def attend_call(call: Call) -> tuple[Array, Array | None]:
+    """:func:`attend` on a checked call: the reference backend's run."""
+    return attend(
         call.xp,
         call.query,
         call.key,
@@ -149,7 +155,6 @@ def reference_attention(
         lead=call.lead,
         recorder=call.recorder,
     )
-    return (context, weights) if return_weights else context
 
 
 def attend(

@@ -25,10 +25,13 @@ structured masks, the real peer is FlexAttention under ``torch.compile``
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -53,6 +56,7 @@ __all__ = [
     "flex_block_mask",
     "forward_flops",
     "gemm_rate",
+    "in_fresh_process",
     "inputs",
     "load_average",
     "machine",
@@ -64,6 +68,23 @@ __all__ = [
 ]
 
 HEADS, DIM = 8, 64
+
+
+def in_fresh_process(module: str, args: Sequence[str], what: str) -> dict[str, Any]:
+    """Run ``python -m module *args`` in a fresh process (its memory and compiled code apart
+    from this one's); return the JSON object on its last line of output.
+
+    Raises:
+        RuntimeError: the process failed; ``what`` names it, beside its last three lines.
+    """
+    command = [sys.executable, "-m", module, *args]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise RuntimeError(f"{what} failed: {' | '.join(tail)}")
+    answer: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return answer
+
 
 # -- machine -------------------------------------------------------------------------------
 

@@ -10,11 +10,10 @@ sits above this layer, and a fresh process also keeps one sweep's memory from th
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
 
+from qkv.bench._measure import in_fresh_process
 from qkv.bench._results import Row, Settings, Table
 
 __all__ = ["LENGTHS", "QUICK_LENGTHS", "REFERENCE", "patching_section", "patching_ticks"]
@@ -35,14 +34,8 @@ def patching_ticks(settings: Settings) -> int:
 
 
 def _measured(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run the worker in a fresh process; return its JSON answer."""
-    command = [sys.executable, "-m", _WORKER, json.dumps(spec)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        raise RuntimeError(f"the patching benchmark failed: {' | '.join(tail)}")
-    answer: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return answer
+    """The worker's answer for ``spec``, from a fresh process."""
+    return in_fresh_process(_WORKER, [json.dumps(spec)], "the patching benchmark")
 
 
 def patching_section(settings: Settings, tick: Callable[[], None]) -> Table:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -33,6 +32,7 @@ from qkv.bench._measure import (
     flex_block_mask,
     forward_flops,
     gemm_rate,
+    in_fresh_process,
     inputs,
     load_average,
     machine,
@@ -461,13 +461,9 @@ def ticks(settings: Settings, sections: Sequence[str]) -> int:
 def _in_subprocess(kind: str, spec: dict[str, Any], settings: Settings) -> dict[str, Any]:
     """Run a worker of this module in a fresh Python process; return its JSON answer."""
     spec = {**spec, "threads": settings.threads or torch.get_num_threads()}
-    command = [sys.executable, "-m", "qkv.bench._suite", kind, json.dumps(spec)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        raise RuntimeError(f"benchmark worker {kind} failed: {' | '.join(tail)}")
-    answer: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return answer
+    return in_fresh_process(
+        "qkv.bench._suite", [kind, json.dumps(spec)], f"benchmark worker {kind}"
+    )
 
 
 def _main(argv: Sequence[str]) -> int:

@@ -181,8 +181,3 @@ def _shape(spec: object) -> tuple[int, ...]:
     if math.prod(n for n in shape) > ARRAY_LIMIT:
         raise ChannelError("garbage", f"an array of more than {ARRAY_LIMIT} numbers")
     return tuple(shape)
-
-
-def request_dtype_ok(array: NDArray[Any]) -> bool:
-    """Whether the runner reads arrays of ``array``'s dtype."""
-    return array.dtype.name in _DTYPES

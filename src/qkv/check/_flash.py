@@ -286,12 +286,7 @@ def _diagnose(judge: _Judge) -> list[Finding]:
             findings.extend([unknown] if unknown else [])
             return findings
         code, current, blocks = found
-        i = next((i for i in plain if not judge.gives(right, (_ONE, _ONE), [i])), plain[0])
-        findings.append(
-            _finding(
-                code, probes[i], "output", judge.got[i].out, judge.made(i, right, _ONE, _ONE)[0]
-            )
-        )
+        findings.append(_first_off(judge, code, plain))
     causal = judge.ran(causal=True)
     if not judge.gives(current, blocks or (_ONE, _ONE), causal):
         options = [
@@ -303,12 +298,7 @@ def _diagnose(judge: _Judge) -> list[Finding]:
             findings.extend([unknown] if unknown else [])
             return findings
         code, current, blocks = found
-        i = next((i for i in causal if not judge.gives(right, (_ONE, _ONE), [i])), causal[0])
-        findings.append(
-            _finding(
-                code, probes[i], "output", judge.got[i].out, judge.made(i, right, _ONE, _ONE)[0]
-            )
-        )
+        findings.append(_first_off(judge, code, causal))
     size = blocks or (_ONE, _ONE)
     with_lse = [i for i in judge.ran() if judge.got[i].lse is not None]
     lse_right = judge.gives(right, (_ONE, _ONE), with_lse, lse=True)
@@ -329,6 +319,14 @@ def _diagnose(judge: _Judge) -> list[Finding]:
     if not findings:
         findings.extend(_backward_findings(judge))
     return findings
+
+
+def _first_off(judge: _Judge, code: str, ran: list[int]) -> Finding:
+    """The finding ``code`` on the first of the probes ``ran`` whose output is off."""
+    right = FlashSlip()
+    i = next((i for i in ran if not judge.gives(right, (_ONE, _ONE), [i])), ran[0])
+    want = judge.made(i, right, _ONE, _ONE)[0]
+    return _finding(code, judge.probes[i], "output", judge.got[i].out, want)
 
 
 def _backward_findings(judge: _Judge) -> list[Finding]:

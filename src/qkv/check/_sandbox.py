@@ -39,7 +39,6 @@ import math
 import os
 import re
 import secrets
-import select
 import shutil
 import signal
 import stat
@@ -52,7 +51,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from qkv.check._sandbox_keeper import TIMED_OUT, end_descendants
+from qkv.check._sandbox_keeper import TIMED_OUT, end_descendants, wait_until
 
 __all__ = [
     "ISOLATIONS",
@@ -77,7 +76,6 @@ _KEEPER = Path(__file__).with_name("_sandbox_keeper.py")
 _RUNNER = ("_student_main.py", "_student_file.py", "_module_adapt.py")
 """The files of the student's process: the runner and its two neighbours (no qkv)."""
 _TAIL = 4096  # bytes of standard error read back
-_GRACE = 5.0  # seconds the keeper gets to clean up after the time limit
 _SYSTEM = ("/usr", "/etc")
 _LINKED = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # often links into /usr
 _PRIVATE_TMP = 64 << 20
@@ -497,25 +495,12 @@ def _files(tmp: Path) -> Iterator[tuple[int, int]]:
 def _wait_unreaped(pid: int, seconds: float) -> bool:
     """Wait until the child ``pid`` ends, at most ``seconds``, without collecting it: until it
     is collected, its pid (the number of its session) cannot name another process."""
-    deadline = time.monotonic() + seconds
-    try:
-        handle: int | None = os.pidfd_open(pid)
-    except OSError:  # an old kernel: poll instead
-        handle = None
-    try:
-        while True:
-            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
-                return True
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            if handle is not None:
-                select.select([handle], [], [], min(left, 3600.0))
-            else:
-                time.sleep(min(left, 0.01))
-    finally:
-        if handle is not None:
-            os.close(handle)
+    flags = os.WEXITED | os.WNOHANG | os.WNOWAIT
+
+    def ended() -> bool | None:
+        return True if os.waitid(os.P_PID, pid, flags) is not None else None
+
+    return wait_until(pid, seconds, ended) is not None
 
 
 def _end(process: subprocess.Popen[bytes], mark: bytes) -> None:

@@ -34,10 +34,12 @@ import select
 import signal
 import sys
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
-__all__ = ["TIMED_OUT", "build_root", "descendants", "end_descendants", "main"]
+__all__ = ["TIMED_OUT", "build_root", "descendants", "end_descendants", "main", "wait_until"]
+
+_T = TypeVar("_T")
 
 TIMED_OUT = 124
 """The keeper's exit status when the runner ran past the time limit (as ``timeout(1)``)."""
@@ -320,18 +322,16 @@ def _catchable() -> list[int]:
     ]
 
 
-def _wait(pid: int, seconds: float) -> int | None:
-    """The runner's exit status, or None when it runs past ``seconds``."""
+def wait_until(pid: int, seconds: float, ended: Callable[[], _T | None]) -> _T | None:
+    """What ``ended()`` says once it says something (not None), asked again each time the
+    process ``pid`` changes state; None when ``seconds`` pass first."""
     deadline = time.monotonic() + seconds
     try:
         handle: int | None = os.pidfd_open(pid)
     except OSError:  # an old kernel: poll instead
         handle = None
     try:
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                return os.waitstatus_to_exitcode(status)
+        while (answer := ended()) is None:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
@@ -339,9 +339,20 @@ def _wait(pid: int, seconds: float) -> int | None:
                 select.select([handle], [], [], min(left, 3600.0))
             else:
                 time.sleep(min(left, 0.01))
+        return answer
     finally:
         if handle is not None:
             os.close(handle)
+
+
+def _wait(pid: int, seconds: float) -> int | None:
+    """The runner's exit status, or None when it runs past ``seconds``."""
+
+    def ended() -> int | None:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        return os.waitstatus_to_exitcode(status) if done else None
+
+    return wait_until(pid, seconds, ended)
 
 
 def main(argv: list[str]) -> int:

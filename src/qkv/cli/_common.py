@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from qkv import _io
 from qkv._format import visible
@@ -20,8 +20,10 @@ if TYPE_CHECKING:
 __all__ = [
     "Command",
     "CommandError",
+    "Option",
     "Output",
     "Parser",
+    "add_options",
     "add_output_options",
     "emit",
     "int_in_range",
@@ -95,6 +97,23 @@ def int_in_range(low: int, high: int | None = None) -> Callable[[str], int]:
 
     parse.__name__ = "number"  # argparse names the type in its messages
     return parse
+
+
+Option = tuple[str, Callable[[str], Any] | None, str, str]
+"""A valued option: its flag, argparse ``type`` (None: text), metavar and help."""
+
+
+def add_options(group: Any, options: Sequence[Option]) -> None:
+    """Add valued options to a parser or an argument group, one :data:`Option` each.
+
+    Example:
+        >>> parser = argparse.ArgumentParser()
+        >>> add_options(parser, [("--steps", int_in_range(1), "N", "optimizer steps")])
+        >>> parser.parse_args(["--steps", "3"]).steps
+        3
+    """
+    for flag, kind, metavar, text in options:
+        group.add_argument(flag, type=kind, metavar=metavar, help=text)
 
 
 def write_atomic(path: str | os.PathLike[str], text: str, *, option: str = "--output") -> None:

@@ -26,6 +26,8 @@ from qkv.cli._common import (
     MAX_THREADS,
     Command,
     CommandError,
+    Option,
+    add_options,
     examples_block,
     int_in_range,
     refuse_options,
@@ -86,101 +88,70 @@ def _common(
         help="continue the run in --out from its last checkpoint, exactly as it would have "
         "gone on (its model, data and seed are kept)",
     )
-    run.add_argument(
-        "--seed",
-        type=int_in_range(0, MAX_SEED),
-        metavar="N",
-        help=f"random seed, from 0 to 2**64 - 1 (default {defaults.seed})",
-    )
-    run.add_argument(
-        "--threads",
-        type=int_in_range(1, MAX_THREADS),
-        metavar="N",
-        help="CPU threads for PyTorch (default: PyTorch's; results repeat for the same N)",
+    seed = f"random seed, from 0 to 2**64 - 1 (default {defaults.seed})"
+    threads = "CPU threads for PyTorch (default: PyTorch's; results repeat for the same N)"
+    add_options(
+        run,
+        [
+            ("--seed", int_in_range(0, MAX_SEED), "N", seed),
+            ("--threads", int_in_range(1, MAX_THREADS), "N", threads),
+        ],
     )
     run.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     training = parser.add_argument_group(
         f"training (default: {train.steps} steps, eval every {train.eval_every})"
     )
-    training.add_argument("--steps", type=int_in_range(1), metavar="N", help="optimizer steps")
-    training.add_argument(
-        "--lr",
-        type=fraction(0.0, 10.0),
-        metavar="LR",
-        help=f"AdamW's learning rate ({shown(train.lr)})",
+    decay = f"AdamW's weight decay on the linear layers' weights ({shown(train.weight_decay)})"
+    patience = (
+        "stop after N evaluations without a better validation accuracy "
+        f"({train.patience or 0}; 0: never)"
     )
-    training.add_argument(
-        "--weight-decay",
-        type=fraction(0.0, 10.0, open_low=False),
-        metavar="WD",
-        help=f"AdamW's weight decay on the linear layers' weights ({shown(train.weight_decay)})",
-    )
-    training.add_argument(
-        "--warmup",
-        type=int_in_range(0),
-        metavar="N",
-        help=f"steps of learning-rate warm-up ({train.warmup})",
-    )
-    training.add_argument(
-        "--batch-size",
-        type=int_in_range(1),
-        metavar="B",
-        help=f"batch size ({defaults.batch_size})",
-    )
-    training.add_argument(
-        "--eval-every",
-        type=int_in_range(1),
-        metavar="N",
-        help="evaluate on the validation set and save a checkpoint every N steps",
-    )
-    training.add_argument(
-        "--patience",
-        type=int_in_range(0),
-        metavar="N",
-        help=f"stop after N evaluations without a better validation accuracy "
-        f"({train.patience or 0}; 0: never)",
-    )
-    training.add_argument(
-        "--target-accuracy",
-        type=fraction(0.0, 1.0),
-        metavar="A",
-        help="stop as soon as the validation accuracy reaches A, e.g. 0.99",
+    add_options(
+        training,
+        [
+            ("--steps", int_in_range(1), "N", "optimizer steps"),
+            ("--lr", fraction(0.0, 10.0), "LR", f"AdamW's learning rate ({shown(train.lr)})"),
+            ("--weight-decay", fraction(0.0, 10.0, open_low=False), "WD", decay),
+            ("--warmup", int_in_range(0), "N", f"steps of learning-rate warm-up ({train.warmup})"),
+            ("--batch-size", int_in_range(1), "B", f"batch size ({defaults.batch_size})"),
+            (
+                "--eval-every",
+                int_in_range(1),
+                "N",
+                "evaluate on the validation set and save a checkpoint every N steps",
+            ),
+            ("--patience", int_in_range(0), "N", patience),
+            (
+                "--target-accuracy",
+                fraction(0.0, 1.0),
+                "A",
+                "stop as soon as the validation accuracy reaches A, e.g. 0.99",
+            ),
+        ],
     )
 
 
 def _configure_recall(parser: argparse.ArgumentParser) -> None:
     d = RecallSettings()
-    data = parser.add_argument_group("the sequences")
-    data.add_argument(
-        "--pairs", type=int_in_range(1), metavar="P", help=f"key-value pairs ({d.pairs})"
-    )
-    data.add_argument(
-        "--keys",
-        type=int_in_range(1),
-        metavar="K",
-        help=f"key tokens ({d.keys}: a..{chr(ord('a') + d.keys - 1)})",
-    )
-    data.add_argument(
-        "--values",
-        type=int_in_range(2),
-        metavar="V",
-        help=f"value tokens ({d.values}: 0..{d.values - 1})",
-    )
-    data.add_argument(
-        "--validation-size",
-        type=int_in_range(1),
-        metavar="N",
-        help=f"held-out sequences to measure accuracy on ({d.validation_size})",
+    keys = f"key tokens ({d.keys}: a..{chr(ord('a') + d.keys - 1)})"
+    held_out = f"held-out sequences to measure accuracy on ({d.validation_size})"
+    add_options(
+        parser.add_argument_group("the sequences"),
+        [
+            ("--pairs", int_in_range(1), "P", f"key-value pairs ({d.pairs})"),
+            ("--keys", int_in_range(1), "K", keys),
+            ("--values", int_in_range(2), "V", f"value tokens ({d.values}: 0..{d.values - 1})"),
+            ("--validation-size", int_in_range(1), "N", held_out),
+        ],
     )
     model = parser.add_argument_group("the model")
-    model.add_argument(
-        "--d-model", type=int_in_range(2), metavar="E", help=f"model width ({d.d_model})"
-    )
-    model.add_argument(
-        "--heads", type=int_in_range(1), metavar="H", help=f"attention heads ({d.num_heads})"
-    )
-    model.add_argument(
-        "--layers", type=int_in_range(1), metavar="N", help=f"transformer blocks ({d.layers})"
+    add_options(
+        model,
+        [
+            ("--d-model", int_in_range(2), "E", f"model width ({d.d_model})"),
+            ("--heads", int_in_range(1), "H", f"attention heads ({d.num_heads})"),
+            ("--layers", int_in_range(1), "N", f"transformer blocks ({d.layers})"),
+        ],
     )
     model.add_argument(
         "--no-next-token",
@@ -190,13 +161,12 @@ def _configure_recall(parser: argparse.ArgumentParser) -> None:
         help="leave out the next-token embedding: attention alone must carry each value to "
         "its key (use --layers 2; it sits on a long plateau: see docs/training.md)",
     )
-    model.add_argument(
-        "--dropout",
-        type=fraction(0.0, 0.99, open_low=False),
-        metavar="P",
-        help=f"dropout ({shown(d.dropout)})",
-    )
+    add_options(model, [_dropout(d.dropout)])
     _common(parser, "recall", d, RECALL_TRAINING)
+
+
+def _dropout(default: float) -> Option:
+    return ("--dropout", fraction(0.0, 0.99, open_low=False), "P", f"dropout ({shown(default)})")
 
 
 def _configure_classify(parser: argparse.ArgumentParser) -> None:
@@ -209,34 +179,23 @@ def _configure_classify(parser: argparse.ArgumentParser) -> None:
         help="a .csv, .tsv or .jsonl file of labelled texts, or 'generated': the sentiment "
         "set qkv makes, whose labels depend on word order (the default)",
     )
-    data.add_argument(
-        "--text-column", metavar="C", help=f"the column of the texts ({d.text_column})"
-    )
-    data.add_argument(
-        "--label-column", metavar="C", help=f"the column of the labels ({d.label_column})"
-    )
-    data.add_argument(
-        "--group-column",
-        metavar="C",
-        help="rows with the same value here stay on one side of the validation split",
-    )
-    data.add_argument(
-        "--sentences",
-        type=int_in_range(2),
-        metavar="N",
-        help=f"with --data generated: how many sentences ({d.sentences})",
-    )
-    data.add_argument(
-        "--validation",
-        type=fraction(0.0, 0.99),
-        metavar="F",
-        help=f"the share of rows held out for validation ({shown(d.validation)})",
-    )
-    data.add_argument(
-        "--max-length",
-        type=int_in_range(1),
-        metavar="N",
-        help=f"tokens kept per text ({d.max_length})",
+    groups = "rows with the same value here stay on one side of the validation split"
+    held_out = f"the share of rows held out for validation ({shown(d.validation)})"
+    add_options(
+        data,
+        [
+            ("--text-column", None, "C", f"the column of the texts ({d.text_column})"),
+            ("--label-column", None, "C", f"the column of the labels ({d.label_column})"),
+            ("--group-column", None, "C", groups),
+            (
+                "--sentences",
+                int_in_range(2),
+                "N",
+                f"with --data generated: how many sentences ({d.sentences})",
+            ),
+            ("--validation", fraction(0.0, 0.99), "F", held_out),
+            ("--max-length", int_in_range(1), "N", f"tokens kept per text ({d.max_length})"),
+        ],
     )
     data.add_argument(
         "--keep-case",
@@ -245,12 +204,8 @@ def _configure_classify(parser: argparse.ArgumentParser) -> None:
         dest="lowercase",
         help="do not lower-case the texts (for word vectors with capitals)",
     )
-    data.add_argument(
-        "--min-count",
-        type=int_in_range(1),
-        metavar="N",
-        help=f"words seen fewer times in training become <unk> ({d.min_count})",
-    )
+    rare = f"words seen fewer times in training become <unk> ({d.min_count})"
+    add_options(data, [("--min-count", int_in_range(1), "N", rare)])
     model = parser.add_argument_group("the model")
     model.add_argument(
         "--model",
@@ -280,20 +235,14 @@ def _configure_classify(parser: argparse.ArgumentParser) -> None:
         dest="freeze",
         help="train the word vectors too; a report says how far each moved",
     )
-    model.add_argument(
-        "--embedding-dim",
-        type=int_in_range(2),
-        metavar="E",
-        help=f"embedding width without --embeddings ({d.embedding_dim})",
-    )
-    model.add_argument(
-        "--heads", type=int_in_range(1), metavar="H", help=f"attention heads ({d.num_heads})"
-    )
-    model.add_argument(
-        "--dropout",
-        type=fraction(0.0, 0.99, open_low=False),
-        metavar="P",
-        help=f"dropout ({shown(d.dropout)})",
+    width = f"embedding width without --embeddings ({d.embedding_dim})"
+    add_options(
+        model,
+        [
+            ("--embedding-dim", int_in_range(2), "E", width),
+            ("--heads", int_in_range(1), "H", f"attention heads ({d.num_heads})"),
+            _dropout(d.dropout),
+        ],
     )
     _common(parser, "classify", d, CLASSIFY_TRAINING)
 
@@ -394,37 +343,17 @@ def _run(args: argparse.Namespace) -> int:
     }
     try:
         if args.train_task == "recall":
-            result = train.train_recall(
-                out,
-                pairs=args.pairs,
-                keys=args.keys,
-                values=args.values,
-                validation_size=args.validation_size,
-                d_model=args.d_model,
-                layers=args.layers,
-                next_token=args.next_token,
-                **common,
-            )
+            recall = ("pairs", "keys", "values", "validation_size", "d_model", "layers")
+            given = {name: getattr(args, name) for name in (*recall, "next_token")}
+            result = train.train_recall(out, **given, **common)
             _summary(result, out, "", "a 3 c 5 b 1 d 7 c")
         else:
             data = args.data  # None: the generated set (or, resuming, the run's data)
-            outcome = train.train_classifier(
-                out,
-                data,
-                text_column=args.text_column,
-                label_column=args.label_column,
-                group_column=args.group_column,
-                model=args.model,
-                embeddings=args.embeddings,
-                freeze=args.freeze,
-                embedding_dim=args.embedding_dim,
-                validation=args.validation,
-                max_length=args.max_length,
-                lowercase=args.lowercase,
-                min_count=args.min_count,
-                sentences=args.sentences,
-                **common,
-            )
+            columns = ("text_column", "label_column", "group_column", "model", "embeddings")
+            data_options = ("validation", "max_length", "lowercase", "min_count", "sentences")
+            classify = (*columns, "freeze", "embedding_dim", *data_options)
+            given = {name: getattr(args, name) for name in classify}
+            outcome = train.train_classifier(out, data, **given, **common)
             data_option = f" --data {data if data is not None else outcome.source}"
             _summary(outcome.fit, out, data_option, "the food was great , not awful")
             if outcome.drift is not None:

@@ -12,7 +12,7 @@ import numpy as np
 
 from qkv.embeddings._errors import EmbeddingsFileError
 from qkv.embeddings._rows import Rows
-from qkv.embeddings._source import MAX_LINE, check_header, parse_header, show
+from qkv.embeddings._source import MAX_LINE, check_header, encoded, parse_header, show
 from qkv.embeddings._vectors import FloatMatrix
 
 CHUNK = 1 << 22  # bytes read at a time
@@ -72,7 +72,7 @@ class BinaryReader:
         if self.size_hint is not None:  # an entry is ≥ 4·D + 2 bytes: a header of 10¹² rows
             capacity = min(capacity, self.size_hint // (size + 2) + 1)  # allocates nothing
         rows = Rows(dim, capacity)
-        wanted = None if self.wanted is None else self._wanted_bytes()
+        wanted = None if self.wanted is None else encoded(self.wanted, self.encoding)
         self._base = len(first)
         pending: list[bytes] = []
         words, offsets, index = self.words, self.offsets, self.index
@@ -277,15 +277,6 @@ class BinaryReader:
             offset=self.offsets[row],
             hint="word vectors must be finite; the file may be damaged",
         )
-
-    def _wanted_bytes(self) -> set[bytes]:
-        out = set()
-        for word in self.wanted or ():
-            try:
-                out.add(word.encode(self.encoding))
-            except UnicodeEncodeError:
-                continue  # cannot be in a file of this encoding
-        return out
 
 
 def _floats(vectors: list[bytes], dim: int) -> FloatMatrix:

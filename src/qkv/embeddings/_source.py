@@ -19,10 +19,12 @@ its bad line is reported.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import gzip
 import io
 import re
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, cast
@@ -159,6 +161,16 @@ def parse_header(line: bytes) -> Header | None:
     if match is None:
         return None
     return Header(count=int(match[1]), dim=int(match[2]), size=len(line))
+
+
+def encoded(words: Iterable[str], encoding: str) -> set[bytes]:
+    """The words as bytes of ``encoding``, less those it cannot write (none of them can be
+    in a file of that encoding)."""
+    out = set()
+    for word in words:
+        with contextlib.suppress(UnicodeEncodeError):
+            out.add(word.encode(encoding))
+    return out
 
 
 def show(raw: bytes, limit: int = 40) -> str:

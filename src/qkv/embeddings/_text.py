@@ -23,7 +23,7 @@ import numpy as np
 
 from qkv.embeddings._errors import EmbeddingsFileError
 from qkv.embeddings._rows import Rows
-from qkv.embeddings._source import BOM, MAX_LINE, check_header, number, parse_header, show
+from qkv.embeddings._source import BOM, MAX_LINE, check_header, encoded, number, parse_header, show
 from qkv.embeddings._vectors import FloatMatrix
 
 BLOCK_BYTES = 1 << 22  # lines are read in blocks of about this many bytes
@@ -76,7 +76,7 @@ class TextReader:
         if self.limit is not None:
             target = self.limit if target is None else min(target, self.limit)
         rows = Rows(self.dim, self._capacity(target))
-        wanted_bytes = self._wanted_bytes()
+        wanted_bytes = None if self.wanted is None else encoded(self.wanted, self.encoding)
         done = wanted_bytes is not None and not wanted_bytes
         for block, first_line in self._blocks(handle, pending, line_no + 1):
             if done:
@@ -248,17 +248,6 @@ class TextReader:
             line=line,
             hint=f"fix the count in the header, or read the first {count} with limit={count}",
         )
-
-    def _wanted_bytes(self) -> set[bytes] | None:
-        if self.wanted is None:
-            return None
-        out = set()
-        for word in self.wanted:
-            try:
-                out.add(word.encode(self.encoding))
-            except UnicodeEncodeError:
-                continue  # cannot be in a file of this encoding
-        return out
 
     def _capacity(self, target: int | None) -> int | None:
         bound = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import array_api_compat.torch as torch_xp
 import torch
@@ -65,24 +65,29 @@ def check_block_table(who: str, block_table: Any, batch: int) -> None:
     Raises:
         ValueError: anything else, in one line naming it.
     """
-    if (
-        not isinstance(block_table, torch.Tensor)
-        or block_table.is_floating_point()
-        or block_table.is_complex()
-        or block_table.dtype == torch.bool
-        or block_table.ndim != 2
-        or block_table.shape[0] != batch
-    ):
-        got = (
-            f"{block_table.dtype} of shape {tuple(block_table.shape)}"
-            if isinstance(block_table, torch.Tensor)
-            else type(block_table).__name__
-        )
+    if not integers(block_table, 2, batch):
         raise fail(
             who,
             f"block_table must be integers of shape ({batch}, max_num_blocks_per_seq), the "
-            f"pages of each sequence, got {got}.",
+            f"pages of each sequence, got {described(block_table)}.",
         )
+
+
+def integers(x: Any, ndim: int, batch: int) -> TypeGuard[torch.Tensor]:
+    """Whether ``x`` is an integer tensor of ``ndim`` axes, the first of size ``batch``."""
+    return (
+        isinstance(x, torch.Tensor)
+        and not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+        and x.ndim == ndim
+        and x.shape[0] == batch
+    )
+
+
+def described(x: Any) -> str:
+    """A tensor's dtype and shape, or another value's type: what came, for an error."""
+    return (
+        f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+    )
 
 
 def check_heads(who: str, heads: int, kv_heads: int, kv_name: str = "k") -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from itertools import pairwise
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -19,6 +19,7 @@ from qkv.attention._packed import check_max, check_offsets_tensor, offsets, pack
 from qkv.attention._packed_graph import Sequences, graph_rule, traced_offsets
 from qkv.flash_attn._core import (
     Positions,
+    Result,
     attend,
     check_block_table,
     check_dtypes,
@@ -36,6 +37,42 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
 ]
+
+
+class Options(NamedTuple):
+    """The options every public function takes, as flash-attn names them."""
+
+    dropout_p: float
+    softmax_scale: float | None
+    causal: bool
+    window_size: Any
+    softcap: float
+    alibi_slopes: Any
+    return_attn_probs: bool
+
+
+def _check_shapes(
+    who: str, qkv: tuple[torch.Tensor, ...], names: tuple[str, str, str], *, padded: bool
+) -> None:
+    """q, k and v padded (batch, seqlen, nheads, headdim) or packed (total, nheads, headdim),
+    k and v of one shape, with q's headdim (and, padded, q's batch)."""
+    if padded:
+        layout = "(batch, seqlen, nheads, headdim)"
+        hint = "packed (total, nheads, headdim) sequences go to flash_attn_varlen_func"
+    else:
+        layout = "(total, nheads, headdim), the sequences concatenated"
+        hint = "a padded batch goes to flash_attn_func"
+    for name, x in zip(names, qkv, strict=True):
+        if x.ndim != (4 if padded else 3):
+            raise fail(who, f"{name} must be {layout}, got shape {tuple(x.shape)}. Hint: {hint}.")
+    q, k, v = qkv
+    if k.shape != v.shape or k.shape[-1] != q.shape[-1] or (padded and k.shape[0] != q.shape[0]):
+        shapes = f"{names[0]} {tuple(q.shape)}, {names[1]} {tuple(k.shape)} and {names[2]}"
+        fit = "q's batch and headdim" if padded else "q's headdim"
+        raise fail(
+            who,
+            f"{shapes} {tuple(v.shape)} do not fit: expected k and v of one shape, with {fit}.",
+        )
 
 
 def _batch_positions(
@@ -72,54 +109,50 @@ def _batched(
     k: torch.Tensor,
     v: torch.Tensor,
     names: tuple[str, str, str],
-    *,
-    dropout_p: float,
-    softmax_scale: float | None,
-    causal: bool,
-    window_size: Any,
-    softcap: float,
-    alibi_slopes: Any,
-    return_attn_probs: bool,
+    options: Options,
 ) -> Any:
     """The padded-batch functions: q (B, Lq, H, D), k and v (B, Lk, Hkv, D)."""
     check_dtypes(who, **{names[0]: q, names[1]: k, names[2]: v})
-    for name, x in zip(names, (q, k, v), strict=True):
-        if x.ndim != 4:
-            raise fail(
-                who,
-                f"{name} must be (batch, seqlen, nheads, headdim), got shape "
-                f"{tuple(x.shape)}. Hint: packed (total, nheads, headdim) sequences go to "
-                "flash_attn_varlen_func.",
-            )
-    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
-        raise fail(
-            who,
-            f"{names[0]} {tuple(q.shape)}, {names[1]} {tuple(k.shape)} and {names[2]} "
-            f"{tuple(v.shape)} do not fit: expected k and v of one shape, with q's batch and "
-            "headdim.",
-        )
+    _check_shapes(who, (q, k, v), names, padded=True)
     check_heads(who, int(q.shape[2]), int(k.shape[2]), names[1])
     batch, lq, lk = int(q.shape[0]), int(q.shape[1]), int(k.shape[1])
-    left, right = window(who, window_size, causal)
+    left, right = window(who, options.window_size, options.causal)
     where = _batch_positions(batch, lq, lk, left, right, q.device)
-    result = attend(
-        who,
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        where,
-        softmax_scale=softmax_scale,
-        kernel_causal=_kernel_causal(left, right, lk),
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        dropout_p=dropout_p,
-        want_lse=return_attn_probs,
-        want_probs=return_attn_probs,
+    causal = _kernel_causal(left, right, lk)
+    result = _attend(
+        who, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), where, options, causal
     )
     out = result.out.transpose(1, 2).contiguous()
-    if return_attn_probs:
+    if options.return_attn_probs:
         return out, result.lse, result.probs
     return out
+
+
+def _attend(
+    who: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    where: Positions,
+    options: Options,
+    kernel_causal: bool,
+) -> Result:
+    """:func:`attend` with a public function's options: q (B, H, Lq, D), k and v
+    (B, Hkv, Lk, D)."""
+    return attend(
+        who,
+        q,
+        k,
+        v,
+        where,
+        softmax_scale=options.softmax_scale,
+        kernel_causal=kernel_causal,
+        softcap=options.softcap,
+        alibi_slopes=options.alibi_slopes,
+        dropout_p=options.dropout_p,
+        want_lse=options.return_attn_probs,
+        want_probs=options.return_attn_probs,
+    )
 
 
 def flash_attn_func(
@@ -163,20 +196,10 @@ def flash_attn_func(
         True
     """
     del deterministic  # qkv's backward pass is deterministic
-    return _batched(
-        "flash_attn_func",
-        q,
-        k,
-        v,
-        ("q", "k", "v"),
-        dropout_p=dropout_p,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size=window_size,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        return_attn_probs=return_attn_probs,
+    options = Options(
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs
     )
+    return _batched("flash_attn_func", q, k, v, ("q", "k", "v"), options)
 
 
 def flash_attn_qkvpacked_func(
@@ -205,20 +228,10 @@ def flash_attn_qkvpacked_func(
     if not isinstance(qkv, torch.Tensor) or qkv.ndim != 5 or qkv.shape[2] != 3:
         raise fail(who, f"qkv must be (batch, seqlen, 3, nheads, headdim), got {_shape(qkv)}.")
     q, k, v = qkv.unbind(2)
-    return _batched(
-        who,
-        q,
-        k,
-        v,
-        ("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"),
-        dropout_p=dropout_p,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size=window_size,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        return_attn_probs=return_attn_probs,
+    options = Options(
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs
     )
+    return _batched(who, q, k, v, ("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"), options)
 
 
 def flash_attn_kvpacked_func(
@@ -247,20 +260,10 @@ def flash_attn_kvpacked_func(
     if not isinstance(kv, torch.Tensor) or kv.ndim != 5 or kv.shape[2] != 2:
         raise fail(who, f"kv must be (batch, seqlen_k, 2, nheads_k, headdim), got {_shape(kv)}.")
     k, v = kv.unbind(2)
-    return _batched(
-        who,
-        q,
-        k,
-        v,
-        ("q", "kv[:, :, 0]", "kv[:, :, 1]"),
-        dropout_p=dropout_p,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size=window_size,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        return_attn_probs=return_attn_probs,
+    options = Options(
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs
     )
+    return _batched(who, q, k, v, ("q", "kv[:, :, 0]", "kv[:, :, 1]"), options)
 
 
 def _shape(x: Any) -> str:
@@ -294,68 +297,30 @@ def _varlen(
     k: torch.Tensor,
     v: torch.Tensor,
     names: tuple[str, str, str],
-    cu_seqlens_q: Any,
-    cu_seqlens_k: Any,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
-    dropout_p: float,
-    softmax_scale: float | None,
-    causal: bool,
-    window_size: Any,
-    softcap: float,
-    alibi_slopes: Any,
-    return_attn_probs: bool,
+    cu: tuple[Any, Any],
+    maxima: tuple[int, int],
+    options: Options,
     block_table: Any = None,
 ) -> Any:
-    """The packed functions: q (total_q, H, D), k and v (total_k, Hkv, D)."""
+    """The packed functions: q (total_q, H, D), k and v (total_k, Hkv, D); ``cu`` and
+    ``maxima``: cu_seqlens and max_seqlen of the queries and the keys."""
     if block_table is not None and torch.compiler.is_compiling():
-        return _paged_outside_graph(
-            who, q, k, v, names, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-            return_attn_probs=return_attn_probs, block_table=block_table,
-        )  # fmt: skip
+        return _paged_outside_graph(who, q, k, v, names, cu, maxima, options, block_table)
     check_dtypes(who, **{names[0]: q, names[1]: k, names[2]: v})
     if block_table is not None:
-        k, v = _gather_pages(who, k, v, block_table, cu_seqlens_k)
-    for name, x in zip(names, (q, k, v), strict=True):
-        if x.ndim != 3:
-            raise fail(
-                who,
-                f"{name} must be (total, nheads, headdim), the sequences concatenated, got "
-                f"shape {tuple(x.shape)}. Hint: a padded batch goes to flash_attn_func.",
-            )
-    if k.shape != v.shape or k.shape[2] != q.shape[2]:
-        raise fail(
-            who,
-            f"{names[0]} {tuple(q.shape)}, {names[1]} {tuple(k.shape)} and {names[2]} "
-            f"{tuple(v.shape)} do not fit: expected k and v of one shape, with q's headdim.",
-        )
+        k, v = _gather_pages(who, k, v, block_table, cu[1])
+    _check_shapes(who, (q, k, v), names, padded=False)
     check_heads(who, int(q.shape[1]), int(k.shape[1]), names[1])
-    left, right = window(who, window_size, causal)
-    cu = (cu_seqlens_q, cu_seqlens_k)
-    maxima = (max_seqlen_q, max_seqlen_k)
+    left, right = window(who, options.window_size, options.causal)
     if torch.compiler.is_compiling():
         where, unpack = _traced_positions(who, q, k, names, cu, maxima, left, right)
     else:
         where, unpack = _read_positions(who, q, k, names, cu, maxima, left, right)
-    result = attend(
-        who,
-        q.transpose(0, 1)[None],
-        k.transpose(0, 1)[None],
-        v.transpose(0, 1)[None],
-        where,
-        softmax_scale=softmax_scale,
-        kernel_causal=_kernel_causal(left, right, max_seqlen_k),
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        dropout_p=dropout_p,
-        want_lse=return_attn_probs,
-        want_probs=return_attn_probs,
-    )
+    causal = _kernel_causal(left, right, maxima[1])
+    q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))  # (1, H, total, D)
+    result = _attend(who, q, k, v, where, options, causal)
     out = result.out[0].transpose(0, 1).contiguous()
-    if not return_attn_probs:
+    if not options.return_attn_probs:
         return out
     assert result.lse is not None and result.probs is not None
     return out, result.lse[0], unpack(result.probs[0])
@@ -556,24 +521,12 @@ def flash_attn_varlen_func(
         True
     """
     del deterministic
+    options = Options(
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs
+    )
+    cu, most = (cu_seqlens_q, cu_seqlens_k), (max_seqlen_q, max_seqlen_k)
     return _varlen(
-        "flash_attn_varlen_func",
-        q,
-        k,
-        v,
-        ("q", "k", "v"),
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        dropout_p=dropout_p,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size=window_size,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        return_attn_probs=return_attn_probs,
-        block_table=block_table,
+        "flash_attn_varlen_func", q, k, v, ("q", "k", "v"), cu, most, options, block_table
     )
 
 
@@ -605,24 +558,11 @@ def flash_attn_varlen_qkvpacked_func(
     if not isinstance(qkv, torch.Tensor) or qkv.ndim != 4 or qkv.shape[1] != 3:
         raise fail(who, f"qkv must be (total, 3, nheads, headdim), got {_shape(qkv)}.")
     q, k, v = qkv.unbind(1)
-    return _varlen(
-        who,
-        q,
-        k,
-        v,
-        ("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"),
-        cu_seqlens,
-        cu_seqlens,
-        max_seqlen,
-        max_seqlen,
-        dropout_p=dropout_p,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size=window_size,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        return_attn_probs=return_attn_probs,
+    options = Options(
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs
     )
+    cu, most = (cu_seqlens, cu_seqlens), (max_seqlen, max_seqlen)
+    return _varlen(who, q, k, v, ("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"), cu, most, options)
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -657,21 +597,8 @@ def flash_attn_varlen_kvpacked_func(
     if not isinstance(kv, torch.Tensor) or kv.ndim != 4 or kv.shape[1] != 2:
         raise fail(who, f"kv must be (total_k, 2, nheads_k, headdim), got {_shape(kv)}.")
     k, v = kv.unbind(1)
-    return _varlen(
-        who,
-        q,
-        k,
-        v,
-        ("q", "kv[:, 0]", "kv[:, 1]"),
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        dropout_p=dropout_p,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size=window_size,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        return_attn_probs=return_attn_probs,
+    options = Options(
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs
     )
+    cu, most = (cu_seqlens_q, cu_seqlens_k), (max_seqlen_q, max_seqlen_k)
+    return _varlen(who, q, k, v, ("q", "kv[:, 0]", "kv[:, 1]"), cu, most, options)

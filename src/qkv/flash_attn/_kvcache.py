@@ -24,7 +24,9 @@ from qkv.flash_attn._core import (
     check_block_table,
     check_dtypes,
     check_heads,
+    described,
     fail,
+    integers,
     window,
 )
 from qkv.kernels._decode import decode_attention
@@ -77,22 +79,11 @@ def _per_row(value: Any, name: str, batch: int, device: Any, default: int) -> to
         return torch.full((batch,), default, dtype=torch.int64, device=device)
     if isinstance(value, int) and not isinstance(value, bool):
         return torch.full((batch,), value, dtype=torch.int64, device=device)
-    if (
-        not isinstance(value, torch.Tensor)
-        or value.is_floating_point()
-        or value.is_complex()
-        or value.dtype == torch.bool
-        or tuple(value.shape) != (batch,)
-    ):
-        got = (
-            f"{value.dtype} of shape {tuple(value.shape)}"
-            if isinstance(value, torch.Tensor)
-            else type(value).__name__
-        )
+    if not integers(value, 1, batch):
         raise fail(
             _WHO,
             f"{name} must be an integer tensor of shape ({batch},), one entry per batch row, "
-            f"got {got}. Hint: torch.tensor([...], dtype=torch.int32).",
+            f"got {described(value)}. Hint: torch.tensor([...], dtype=torch.int32).",
         )
     return value.to(device=device, dtype=torch.int64)
 

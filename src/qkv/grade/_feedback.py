@@ -16,6 +16,7 @@ Example:
     >>> words = parse_feedback("unscaled: Divide by the square root of d_k.\\n")
     >>> words["unscaled"]
     'Divide by the square root of d_k.'
+    >>> from qkv.grade import RubricError
     >>> try:
     ...     parse_feedback("unscalled: x\\n", source="words.yaml")
     ... except RubricError as error:
@@ -29,8 +30,7 @@ import os
 
 import yaml
 
-from qkv._format import visible
-from qkv.grade._rubric import _CODES, RubricError, _did_you_mean, _mapping, read_yaml_text
+from qkv.grade._rubric import _CODES, _did_you_mean, _mapping, compose_yaml, read_yaml_text
 
 __all__ = ["MAX_WORDS", "load_feedback", "parse_feedback"]
 
@@ -57,32 +57,14 @@ def parse_feedback(text: str, *, source: str = "<feedback>") -> dict[str, str]:
             that is not a text, or a text longer than :data:`MAX_WORDS`.
     """
 
-    def fail(node: yaml.Node | None, where: str, problem: str, hint: str) -> RubricError:
-        line = f", line {node.start_mark.line + 1}" if node is not None else ""
-        field = f" {where}:" if where else ""
-        return RubricError(visible(f"--feedback {source}{line}:{field} {problem}. Hint: {hint}"))
-
-    try:
-        for event in yaml.parse(text, Loader=yaml.SafeLoader):
-            if isinstance(event, yaml.AliasEvent):
-                raise fail(
-                    None, "", "an alias (*name)", "write each text out; a feedback file is plain"
-                )
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except RecursionError:
-        raise fail(
-            None, "", "nested too deeply", "a feedback file is one level: 'unscaled: text'"
-        ) from None
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        line = f", line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(error, "problem", None) or "not valid YAML"
-        raise RubricError(
-            visible(
-                f"--feedback {source}{line}: not valid YAML ({problem}). Hint: one line per "
-                "slip code, e.g. 'unscaled: Divide by the square root of d_k.'"
-            )
-        ) from None
+    root, fail = compose_yaml(
+        text,
+        f"--feedback {source}",
+        "a feedback file",
+        alias="write each text out; a feedback file is plain",
+        deep="a feedback file is one level: 'unscaled: text'",
+        invalid="one line per slip code, e.g. 'unscaled: Divide by the square root of d_k.'",
+    )
     if root is None:
         return {}
     words: dict[str, str] = {}

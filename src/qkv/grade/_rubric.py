@@ -30,6 +30,7 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import yaml
 
@@ -127,33 +128,14 @@ def parse_rubric(text: str, *, source: str = "<rubric>") -> Rubric:
             code, or a number that is not finite, negative or above 1000.
     """
 
-    def fail(node: yaml.Node | None, where: str, problem: str, hint: str) -> RubricError:
-        line = f", line {node.start_mark.line + 1}" if node is not None else ""
-        field_ = f" {where}:" if where else ""
-        return RubricError(visible(f"--rubric {source}{line}:{field_} {problem}. Hint: {hint}"))
-
-    try:
-        for event in yaml.parse(text, Loader=yaml.SafeLoader):
-            if isinstance(event, yaml.AliasEvent):
-                line = f", line {event.start_mark.line + 1}" if event.start_mark else ""
-                raise RubricError(
-                    f"--rubric {source}{line}: an alias (*name). "
-                    "Hint: a rubric holds plain numbers; write each value out"
-                )
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except RecursionError:
-        raise RubricError(
-            f"--rubric {source}: nested too deeply to be a rubric. Hint: a rubric is two "
-            "levels deep, e.g. 'points:' then '  softmax: 2'"
-        ) from None
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        line = f", line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(error, "problem", None) or "not valid YAML"
-        raise RubricError(
-            f"--rubric {source}{line}: not valid YAML ({problem}). Hint: check the "
-            "indentation near this line, e.g. 'points:' then '  softmax: 2'"
-        ) from None
+    root, fail = compose_yaml(
+        text,
+        f"--rubric {source}",
+        "a rubric",
+        alias="a rubric holds plain numbers; write each value out",
+        deep="a rubric is two levels deep, e.g. 'points:' then '  softmax: 2'",
+        invalid="check the indentation near this line, e.g. 'points:' then '  softmax: 2'",
+    )
     if root is None:
         return Rubric(source=source)
     top = _mapping(root, "", fail, "a mapping with 'points' and 'penalties'")
@@ -185,6 +167,45 @@ def parse_rubric(text: str, *, source: str = "<rubric>") -> Rubric:
             "give at least one part points, e.g. 'softmax: 1'",
         )
     return Rubric(points=points, penalties=penalties, source=source)
+
+
+def compose_yaml(
+    text: str, file: str, what: str, *, alias: str, deep: str, invalid: str
+) -> tuple[yaml.Node | None, _Fail]:
+    """The node tree of a rubric's or feedback file's YAML text (None: empty), and the
+    function that words a mistake in it: ``{file}, line N: where: problem. Hint: hint``.
+
+    ``file`` is the option and the path (``--rubric rubric.yaml``), ``what`` the kind of
+    file (``"a rubric"``); ``alias``, ``deep`` and ``invalid`` are the hints for an alias,
+    for nesting too deep and for text that is not YAML.
+
+    Raises:
+        RubricError: an alias, nesting too deep for the parser, or text that is not YAML.
+    """
+
+    def at(mark: Any) -> str:
+        return f", line {mark.line + 1}" if mark is not None else ""
+
+    def fail(
+        node: yaml.Node | yaml.Event | None, where: str, problem: str, hint: str
+    ) -> RubricError:
+        field_ = f" {where}:" if where else ""
+        line = at(None if node is None else node.start_mark)
+        return RubricError(visible(f"{file}{line}:{field_} {problem}. Hint: {hint}"))
+
+    try:
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.AliasEvent):
+                raise fail(event, "", "an alias (*name)", alias)
+        return yaml.compose(text, Loader=yaml.SafeLoader), fail
+    except RecursionError:
+        raise fail(None, "", f"nested too deeply to be {what}", deep) from None
+    except yaml.YAMLError as error:
+        line = at(getattr(error, "problem_mark", None))
+        problem = getattr(error, "problem", None) or "not valid YAML"
+        raise RubricError(
+            visible(f"{file}{line}: not valid YAML ({problem}). Hint: {invalid}")
+        ) from None
 
 
 def _did_you_mean(key: str, allowed: tuple[str, ...]) -> str:

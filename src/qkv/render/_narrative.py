@@ -166,7 +166,7 @@ def _size(steps: Sequence[Step], axis: str) -> int | None:
 
 def _labels(given: Sequence[str] | None, n: int, prefix: str) -> list[str]:
     """Token labels, with repeated tokens told apart by their 0-based position (``the#4``);
-    control characters are written out (:func:`~qkv.render._format.visible`)."""
+    control characters are written out (:func:`~qkv._format.visible`)."""
     if given is None or len(given) != n:
         return [f"{prefix}{i}" for i in range(n)]
     counts: dict[str, int] = {}

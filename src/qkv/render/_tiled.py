@@ -28,7 +28,7 @@ from qkv._format import json_safe, latex_escape, latex_number, number
 from qkv.attention._tiled_steps import BackwardTile, ForwardTile, TiledSteps, tiled_steps
 from qkv.render._model import Equation, Fact, Math, Narrative, Section, StepView, Table
 from qkv.render._narrative import _labels, _visible
-from qkv.render._worked import _MAX_EXTRA_DECIMALS, _decimals, _holds, _shown
+from qkv.render._worked import _holds, _shown, widened_notes, widest
 from qkv.steps import TILED_WORDS
 from qkv.trace import Trace
 
@@ -386,35 +386,12 @@ class _Views:
         )
 
     def _worked(self, line: Callable[[int], _Line]) -> list[Equation]:
-        """The line at the run's precision when its rounded numbers add up, else with the
-        fewest extra decimals that make them (at most 4 more, as ``qkv explain``'s worked
-        lines), else no line; :meth:`widened` then says so."""
-        for p in range(self.p, min(self.p + _MAX_EXTRA_DECIMALS, 15) + 1):
-            equation, holds = line(p)
-            if holds:
-                if p > self.p:
-                    self.widths.append(p)
-                return [equation]
-        self.widths.append(-1)
-        return []
+        return widest(line, self.p, self.widths)
 
     def widened(self) -> list[str]:
         """The notes of the lines written with more decimals, or left out, since the last
         call."""
-        widths, self.widths = sorted(set(self.widths)), []
-        notes = []
-        if widths and widths[0] == -1:
-            notes.append(
-                f"Lines whose numbers, rounded to {_decimals(self.p)}, would not add up are "
-                "left out."
-            )
-            widths = widths[1:]
-        if widths:
-            notes.append(
-                f"Worked out with {_decimals(widths[-1])} instead of {self.p}: rounded to "
-                f"{_decimals(self.p)}, the numbers of the line would not add up."
-            )
-        return notes
+        return widened_notes(self.widths, self.p)
 
     def _exp_line(self, lhs: Math, a: float, b: float, result: float) -> list[Equation]:
         """``lhs = exp(a − b) = result``, checked with the numbers as printed."""

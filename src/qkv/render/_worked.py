@@ -30,6 +30,40 @@ _MAX_EXTRA_DECIMALS = 4  # a line whose rounded numbers do not add up gets up to
 _Line = tuple[Equation, bool]
 
 
+def widest(line: Callable[[int], _Line], precision: int, widths: list[int]) -> list[Equation]:
+    """The line at ``precision`` when it reads true (:func:`_holds`); else with up to
+    :data:`_MAX_EXTRA_DECIMALS` more decimals, the fewest that do (added to ``widths``);
+    else no line (-1 added). At ``--precision 0`` the weights 0.3, 0.3, 0.4 are all 0, and
+    "0 + 0 + 0 = 1" would contradict itself."""
+    for p in range(precision, min(precision + _MAX_EXTRA_DECIMALS, 15) + 1):
+        equation, holds = line(p)
+        if holds:
+            if p > precision:
+                widths.append(p)
+            return [equation]
+    widths.append(-1)
+    return []
+
+
+def widened_notes(widths: list[int], precision: int) -> list[str]:
+    """The notes of the lines :func:`widest` wrote with more decimals, or left out; empties
+    ``widths``."""
+    kept, notes = sorted(set(widths)), []
+    widths.clear()
+    if kept and kept[0] == -1:
+        notes.append(
+            f"Lines whose numbers, rounded to {_decimals(precision)}, would not add up are "
+            "left out."
+        )
+        kept = kept[1:]
+    if kept:
+        notes.append(
+            f"Worked out with {_decimals(kept[-1])} instead of {precision}: rounded to "
+            f"{_decimals(precision)}, the numbers of the line would not add up."
+        )
+    return notes
+
+
 @dataclass(frozen=True)
 class WorkedLines:
     """Writes out the arithmetic of one attention call.
@@ -61,36 +95,12 @@ class WorkedLines:
         return list(self.queries) if self.queries is not None else list(range(n))
 
     def _widest(self, line: Callable[[int], _Line]) -> list[Equation]:
-        """The line at the run's precision when it reads true (:func:`_holds`); else with up
-        to :data:`_MAX_EXTRA_DECIMALS` more decimals, the fewest that do; else no line. At
-        ``--precision 0`` the weights 0.3, 0.3, 0.4 are all 0, and "0 + 0 + 0 = 1" would
-        contradict itself."""
-        for p in range(self.p, min(self.p + _MAX_EXTRA_DECIMALS, 15) + 1):
-            equation, holds = line(p)
-            if holds:
-                if p > self.p:
-                    self._widened.append(p)
-                return [equation]
-        self._widened.append(-1)
-        return []
+        return widest(line, self.p, self._widened)
 
     def for_step(self, name: str, seen: dict[str, np.ndarray]) -> tuple[list[Equation], list[str]]:
         """The worked lines and notes of step ``name``, given the section's steps so far."""
-        self._widened.clear()
         lines, notes = self._lines(name, seen)
-        widened = sorted(set(self._widened))
-        if widened and widened[0] == -1:
-            notes.append(
-                f"Lines whose numbers, rounded to {_decimals(self.p)}, would not add up "
-                "are left out."
-            )
-            widened = widened[1:]
-        if widened:
-            notes.append(
-                f"Worked out with {_decimals(widened[-1])} instead of {self.p}: rounded to "
-                f"{_decimals(self.p)}, the numbers of the line would not add up."
-            )
-        return lines, notes
+        return lines, notes + widened_notes(self._widened, self.p)
 
     def _lines(self, name: str, seen: dict[str, np.ndarray]) -> tuple[list[Equation], list[str]]:
         if name == "Q":

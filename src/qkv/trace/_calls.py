@@ -9,11 +9,11 @@ a new call starts where a step name comes again or the layer changes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from qkv.trace._step import Step
+from qkv.trace._step import Step, Steps
 
 __all__ = ["CALL_FACTS", "CallInfo", "TraceCall", "group_calls"]
 
@@ -43,7 +43,7 @@ class CallInfo:
 
 
 @dataclass(frozen=True)
-class TraceCall:
+class TraceCall(Steps):
     """One attention call of a trace: where it ran, its facts and its steps.
 
     Attributes:
@@ -68,32 +68,8 @@ class TraceCall:
     meta: Mapping[str, Any]
     steps: tuple[Step, ...]
 
-    def __iter__(self) -> Iterator[Step]:
-        return iter(self.steps)
-
-    def __len__(self) -> int:
-        return len(self.steps)
-
-    def __contains__(self, name: object) -> bool:
-        return any(step.name == name for step in self.steps)
-
-    def __getitem__(self, name: str) -> Step:
-        """The last step of this call recorded under ``name``."""
-        step = self.get(name)
-        if step is None:
-            recorded = ", ".join(dict.fromkeys(s.name for s in self.steps)) or "none"
-            raise KeyError(f"no step named {name!r} in call {self.index} (recorded: {recorded})")
-        return step
-
-    def get(self, name: str) -> Step | None:
-        """The last step of this call recorded under ``name``, or None."""
-        matches = [step for step in self.steps if step.name == name]
-        return matches[-1] if matches else None
-
-    @property
-    def names(self) -> list[str]:
-        """The names of its steps, in order."""
-        return [step.name for step in self.steps]
+    def _where(self) -> str:
+        return f"call {self.index}"
 
 
 def group_calls(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,7 @@ from qkv.trace._check import (
     _whole_numbers,
 )
 
-__all__ = ["STEP_NAMES", "Step"]
+__all__ = ["STEP_NAMES", "Step", "Steps"]
 
 
 @dataclass
@@ -145,3 +145,41 @@ class Step:
             layer=_optional_text(data, "layer", field),
             index=index or None,
         )
+
+
+class Steps:
+    """Steps read by name: what a :class:`~qkv.trace.Trace` and one call of it share.
+
+    A subclass holds ``steps`` and names itself in :meth:`_where` (for the KeyError).
+    """
+
+    steps: Sequence[Step]
+
+    def _where(self) -> str:
+        return "this trace"
+
+    def __iter__(self) -> Iterator[Step]:
+        return iter(self.steps)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __contains__(self, name: object) -> bool:
+        return any(step.name == name for step in self.steps)
+
+    def __getitem__(self, name: str) -> Step:
+        """The last step recorded under ``name``."""
+        step = self.get(name)
+        if step is None:
+            recorded = ", ".join(dict.fromkeys(s.name for s in self.steps)) or "none"
+            raise KeyError(f"no step named {name!r} in {self._where()} (recorded: {recorded})")
+        return step
+
+    def get(self, name: str) -> Step | None:
+        """The last step recorded under ``name``, or None."""
+        return next((step for step in reversed(self.steps) if step.name == name), None)
+
+    @property
+    def names(self) -> list[str]:
+        """The names of the recorded steps, in order."""
+        return [step.name for step in self.steps]

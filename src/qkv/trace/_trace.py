@@ -31,7 +31,7 @@ from qkv.trace._check import (
 from qkv.trace._file import parse_json, read_parts, read_text
 from qkv.trace._layers import Selection
 from qkv.trace._select import RecordingState
-from qkv.trace._step import Step
+from qkv.trace._step import Step, Steps
 
 __all__ = ["Trace", "blocks_open", "current", "current_or_none", "using"]
 
@@ -71,7 +71,7 @@ _AFTER_CORE = ("concat", "W_o", "output")  # steps that close a multi-head call
 
 
 @dataclass
-class Trace(Selection):
+class Trace(Selection, Steps):
     """The steps of one or more attention calls, in the order they ran, grouped by call.
 
     Read it flat (``trace.steps``, ``trace["weights"]``: the last step of that name) or by
@@ -381,33 +381,6 @@ class Trace(Selection):
         finally:
             state.layer, state.call_heads = previous, previous_heads
             state.open = None
-
-    def __iter__(self) -> Iterator[Step]:
-        return iter(self.steps)
-
-    def __len__(self) -> int:
-        return len(self.steps)
-
-    def __contains__(self, name: object) -> bool:
-        return any(step.name == name for step in self.steps)
-
-    def __getitem__(self, name: str) -> Step:
-        """The last step recorded under ``name``."""
-        for step in reversed(self.steps):
-            if step.name == name:
-                return step
-        recorded = ", ".join(dict.fromkeys(s.name for s in self.steps)) or "none"
-        raise KeyError(f"no step named {name!r} in this trace (recorded: {recorded})")
-
-    def get(self, name: str) -> Step | None:
-        """The last step recorded under ``name``, or None."""
-        matches = [step for step in self.steps if step.name == name]
-        return matches[-1] if matches else None
-
-    @property
-    def names(self) -> list[str]:
-        """The names of the recorded steps, in order."""
-        return [step.name for step in self.steps]
 
     # -- serialisation ---------------------------------------------------------------------
 
