@@ -53,7 +53,9 @@ def test_the_commands_print_what_the_page_shows(
     (tmp_path / "prompts.txt").write_text(PROMPTS, encoding="utf-8")
     monkeypatch.chdir(tmp_path)
     blocks = _console_blocks()
-    assert [command.split()[:2] for command, _ in blocks] == [["qkv", "patch"], ["qkv", "heads"]]
+    assert [command.split()[:2] for command, _ in blocks] == [
+        ["qkv", "patch"], ["qkv", "patch"], ["qkv", "patch"], ["qkv", "heads"]
+    ]  # fmt: skip
     capsys.readouterr()
     for command, shown in blocks:
         assert main(shlex.split(command)[1:]) == 0

@@ -178,6 +178,31 @@ def test_an_edit_of_the_selected_rows_equals_eager_editing_those_rows(
     assert close(edited_fast, edited_eager)
 
 
+def test_a_padded_batch_gives_eager_patterns_and_logits_on_its_tokens(
+    pair: tuple[Any, Any],
+) -> None:
+    """The padding mask reaches the pattern hooks as it reaches the output (the Hugging Face
+    adapter's options, ``call_options``): on the tokens that are not padding, every score,
+    pattern and logit equals eager. A padding query whose keys are all padding gets zero
+    weights (qkv's convention), where eager spreads it evenly."""
+    eager, fast = pair
+    tokens = TOKENS[:, :6].repeat(2, 1)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]])  # the second: 2 pads left
+    with torch.no_grad():
+        logits_eager, cache_eager = eager.run_with_cache(tokens, attention_mask=mask)
+        logits_fast, cache_fast = fast.run_with_cache(tokens, attention_mask=mask)
+    assert close(logits_fast[0], logits_eager[0]) and close(logits_fast[1, 2:], logits_eager[1, 2:])
+    for layer in (0, 1):
+        for hook in ("hook_attn_scores", "hook_pattern"):
+            name = f"blocks.{layer}.attn.{hook}"
+            ours, theirs = cache_fast[name], cache_eager[name]
+            assert close(ours[0], theirs[0]), name
+            assert close(ours[1, :, 2:, 2:], theirs[1, :, 2:, 2:]), name
+        pattern = cache_fast[f"blocks.{layer}.attn.hook_pattern"]
+        assert bool((pattern[1, :, 2:, :2] == 0).all())  # no real token attends a pad
+        assert bool((pattern[1, :, 0] == 0).all())  # the first pad sees only itself: none
+
+
 class _SquareTensors(TorchDispatchMode):
     """Records the floating-point results of shape (..., N, N) of every operation."""
 

@@ -42,13 +42,7 @@ Example:
     True
 """
 
-from qkv.edits._attribution import (
-    FAMILIES,
-    HeadAttribution,
-    ScoreTerms,
-    logit_attribution,
-    score_terms,
-)
+from qkv.edits._attribution import FAMILIES, HeadAttribution, logit_attribution
 from qkv.edits._intervene import intervene
 from qkv.edits._patching import (
     Metric,
@@ -62,6 +56,7 @@ from qkv.edits._patching import (
     prob,
 )
 from qkv.edits._record import head_means, record
+from qkv.edits._score_terms import ScoreTerms, score_terms
 from qkv.edits._specs import (
     EDITS,
     Ablate,

@@ -28,6 +28,7 @@ from qkv.trace._context import register_model_adapter
 __all__ = [
     "IMPLEMENTATION",
     "attention_modules",
+    "call_options",
     "qkv_attention_forward",
     "qkv_mask",
     "routed",
@@ -213,6 +214,48 @@ def qkv_attention_forward(
             "register qkv.hf.qkv_mask with AttentionMaskInterface next to the attention "
             "function (importing qkv.hf does)",
         )
+    result = _run(
+        module,
+        query,
+        key,
+        value,
+        causal=causal,
+        **call_options(module, query, key, attention_mask, scaling, kwargs),
+        position_ids=None if kwargs.get("sliding_window") is None else kwargs.get("position_ids"),
+    )
+    output, weights = result if isinstance(result, tuple) else (result, None)
+    return output.transpose(1, 2).contiguous(), weights
+
+
+def call_options(
+    module: Any,
+    query: Any,
+    key: Any,
+    attention_mask: Any,
+    scaling: float | None,
+    kwargs: dict[str, Any],
+) -> dict[str, Any]:
+    """The options of :func:`qkv.scaled_dot_product_attention` for one transformers
+    attention call: its mask (a boolean one as a mask, dropped when it allows every key, or
+    ``is_causal`` when it is exactly causal; an additive one as a bias), T5's
+    ``position_bias`` (a bias), ``softcap`` (a score_mod), the ``scaling`` and gpt-oss's
+    sinks (``s_aux``). query (B, H, Lq, D), key (B, Hkv, Lk, D), ``kwargs`` the call's
+    keyword arguments. The keys ``bias``, ``score_mod``, ``scale`` and ``sinks`` are always
+    there (None when the call has none).
+
+    Raises:
+        ValueError: softcap with a position bias or with an additive mask.
+
+    Example:
+        >>> import torch
+        >>> attn = torch.nn.Module()
+        >>> q = torch.zeros(1, 2, 3, 4)
+        >>> causal = torch.ones(3, 3, dtype=torch.bool).tril()[None, None]
+        >>> options = call_options(attn, q, q, causal, 0.5, {})
+        >>> options["is_causal"], options["causal_alignment"], options["scale"], options["bias"]
+        (True, 'top-left', 0.5, None)
+    """
+    family = _family(module)
     softcap = kwargs.get("softcap")
     bias = kwargs.get("position_bias")  # T5's relative position bias
     if softcap is not None and bias is not None:
@@ -233,21 +276,13 @@ def qkv_attention_forward(
                 f"an additive {attention_mask.dtype} mask with softcap={softcap}",
                 "use qkv.tracing(model=...), whose boolean masks qkv applies after the softcap",
             )
-    result = _run(
-        module,
-        query,
-        key,
-        value,
-        causal=causal,
+    return {
         **layout,
-        bias=bias,
-        score_mod=None if softcap is None else softcap_mod(float(softcap)),
-        scale=scaling,
-        sinks=kwargs.get("s_aux"),
-        position_ids=None if kwargs.get("sliding_window") is None else kwargs.get("position_ids"),
-    )
-    output, weights = result if isinstance(result, tuple) else (result, None)
-    return output.transpose(1, 2).contiguous(), weights
+        "bias": bias,
+        "score_mod": None if softcap is None else softcap_mod(float(softcap)),
+        "scale": scaling,
+        "sinks": kwargs.get("s_aux"),
+    }
 
 
 _MASK_KINDS: list[tuple[weakref.ref[Any], int, str]] = []

@@ -30,7 +30,7 @@ from typing import Any
 
 from qkv.attention import scaled_dot_product_attention
 from qkv.hf import qkv_attention_forward, qkv_mask
-from qkv.masks import softcap as softcap_mod
+from qkv.hf._adapter import call_options
 from qkv.trace import Trace, current_trace
 
 __all__ = ["LENS_IMPLEMENTATION", "attention_bridges", "lens_attention", "switch_bridge"]
@@ -131,12 +131,9 @@ def lens_attention(
         module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
     )
     if bridge is not None and _hooked(bridge.hook_attn_scores, bridge.hook_pattern):
-        causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", 0))
         output = _pattern_hooks(
-            bridge, module, (query, key, value), attention_mask, output,
-            scale=scaling, causal=causal, softcap=kwargs.get("softcap"),
-            sinks=kwargs.get("s_aux"),
-        )  # fmt: skip
+            bridge, module, (query, key, value), attention_mask, output, scaling, kwargs
+        )
     return output, weights
 
 
@@ -158,16 +155,15 @@ def _pattern_hooks(
     qkv: tuple[Any, Any, Any],
     mask: Any,
     output: Any,
-    *,
     scale: float | None,
-    causal: bool,
-    softcap: float | None,
-    sinks: Any,
+    kwargs: dict[str, Any],
 ) -> Any:
     """Fire ``hook_attn_scores`` (the masked scores, before softmax) and ``hook_pattern``
     on the (B, heads, rows, Lk) rows qkv recomputes on its reference; where a hook returns
     other numbers, the head's context rows become ``pattern · V`` (softmax of the returned
-    scores first), written into ``output`` (B, Lq, H, D)."""
+    scores first), written into ``output`` (B, Lq, H, D). The call's options (mask, bias,
+    softcap, sinks, from its ``kwargs``) are the Hugging Face adapter's
+    (:func:`qkv.hf._adapter.call_options`), the same the output was computed with."""
     torch = _torch()
     query, key, value = qkv
     n_heads, q_len = int(query.shape[1]), int(query.shape[2])
@@ -180,20 +176,13 @@ def _pattern_hooks(
         key.detach().index_select(1, kv_heads),
         value.detach().index_select(1, kv_heads),
     )
-    options: dict[str, Any] = {"scale": scale}
-    if mask is not None and mask.ndim == 4 and mask.shape[1] == n_heads > 1:
-        mask = mask.index_select(1, picked)  # one mask per head: those of the heads kept
-    if mask is not None and mask.dtype == torch.bool:
-        options["mask"] = mask
-    elif mask is not None:
-        options["bias"] = mask
-    elif causal and q_len > 1:
-        options["is_causal"] = True
-        options["causal_alignment"] = "bottom-right"
-    if softcap is not None:
-        options["score_mod"] = softcap_mod(float(softcap))
-    if sinks is not None:
-        options["sinks"] = sinks.detach().index_select(0, picked)
+    options = call_options(module, query, key, mask, scale, kwargs)  # the adapter's own
+    for name in ("mask", "bias"):  # one per head (B, H, Lq, Lk): those of the heads kept
+        given = options.get(name)
+        if given is not None and given.ndim == 4 and given.shape[1] == n_heads > 1:
+            options[name] = given.index_select(1, picked)
+    if options["sinks"] is not None:
+        options["sinks"] = options["sinks"].detach().index_select(0, picked)
     rows_of = Trace(queries=tuple(rows), record_steps=("scaled", "bias", "masked", "weights"))
     scaled_dot_product_attention(q, k, v, trace=rows_of, **options)
     step = next(s for s in ("masked", "bias", "scaled") if s in rows_of.names)

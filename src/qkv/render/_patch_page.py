@@ -56,9 +56,16 @@ def head_steps(trace: Trace, layers: list[str], steps: tuple[str, ...]) -> list[
 def patching_page(data: dict[str, Any]) -> str:
     """The HTML page of a sweep. ``data``: ``title``, ``metric`` (its description),
     ``what``, ``clean`` and ``corrupt`` (each ``{"text", "tokens", "value"}``), ``layers``
-    (module paths), ``values`` and ``normalized`` ((layers × heads), None for NaN), and
-    ``steps``: ``{"clean": head_steps(...), "corrupt": head_steps(...)}``."""
+    (module paths), ``values`` and ``normalized`` ((layers × heads), None for NaN), ``best``
+    (the cell opened first), and ``steps``: ``{"clean": head_steps(...), "corrupt":
+    head_steps(...)}``. A table of other rows and columns (a sweep by position) gives
+    ``rows`` (each ``{"label", "layer", "head"}``), ``columns`` (labels) and ``corner``;
+    ``values`` and ``normalized`` are then (rows × columns)."""
     data = dict(data)
+    if "rows" in data:
+        data["rows"] = [{**row, "label": visible(str(row["label"]))} for row in data["rows"]]
+        data["columns"] = [visible(str(label)) for label in data["columns"]]
+        data["corner"] = visible(str(data.get("corner", "")))
     for side in ("clean", "corrupt"):
         part = dict(data[side])
         part["text"] = visible(str(part["text"]))

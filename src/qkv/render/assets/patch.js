@@ -52,10 +52,19 @@
   var detail = el("section", null, "detail");
   detail.setAttribute("aria-live", "polite");
 
-  function show(layer, head) {
+  // a cell (row, column): a layer and head (rows of layers, columns of heads), or with
+  // data.rows and data.columns a row's layer and head, the column a place (a position)
+  function cellOf(row, col) {
+    if (!data.rows) return { layer: row, head: col, where: "" };
+    var r = data.rows[row];
+    return { layer: r.layer, head: r.head, where: ", " + data.columns[col] };
+  }
+
+  function show(row, col) {
+    var at = cellOf(row, col), layer = at.layer, head = at.head;
     detail.textContent = "";
-    detail.appendChild(el("h2", "Layer " + layer + " (" + data.layers[layer] + "), head " + head));
-    var value = data.values[layer][head];
+    detail.appendChild(el("h2", "Layer " + layer + " (" + data.layers[layer] + "), head " + head + at.where));
+    var value = data.values[row][col];
     detail.appendChild(el("p", data.metric + " with this head patched: " + fmt(value) +
       " (clean " + fmt(data.clean.value) + ", corrupt " + fmt(data.corrupt.value) + ")", "summary"));
     var clean = data.steps.clean[layer][head], corrupt = data.steps.corrupt[layer][head];
@@ -77,7 +86,7 @@
     });
     var pressed = app.querySelectorAll("button[aria-pressed=true]");
     for (var i = 0; i < pressed.length; i++) pressed[i].setAttribute("aria-pressed", "false");
-    var cell = app.querySelector('button[data-layer="' + layer + '"][data-head="' + head + '"]');
+    var cell = app.querySelector('button[data-row="' + row + '"][data-col="' + col + '"]');
     if (cell) cell.setAttribute("aria-pressed", "true");
   }
 
@@ -89,22 +98,28 @@
     data.what + " patched from the clean run. Colour: the share of the clean−corrupt gap it restores. Click a cell for the head's steps.", "summary"));
   var table = el("table", null, "heat");
   var header = el("tr");
-  header.appendChild(el("th", "layer"));
-  data.values[0].forEach(function (_, h) { header.appendChild(el("th", "head " + h)); });
+  header.appendChild(el("th", data.corner || "layer"));
+  data.values[0].forEach(function (_, c) {
+    header.appendChild(el("th", data.columns ? data.columns[c] : "head " + c));
+  });
   table.appendChild(header);
-  data.values.forEach(function (row, layer) {
+  data.values.forEach(function (values, row) {
     var tr = el("tr");
-    tr.appendChild(el("th", String(layer)));
-    row.forEach(function (v, head) {
+    tr.appendChild(el("th", data.rows ? data.rows[row].label : String(row)));
+    values.forEach(function (v, col) {
+      var at = cellOf(row, col);
       var td = el("td");
       var button = el("button", fmt(v));
       button.type = "button";
-      button.dataset.layer = String(layer);
-      button.dataset.head = String(head);
+      button.dataset.row = String(row);
+      button.dataset.col = String(col);
+      button.dataset.layer = String(at.layer);
+      button.dataset.head = String(at.head);
       button.setAttribute("aria-pressed", "false");
-      button.setAttribute("aria-label", "layer " + layer + " head " + head + ": " + data.metric + " " + fmt(v));
-      button.style.background = colour(data.normalized[layer][head]);
-      button.addEventListener("click", function () { show(layer, head); });
+      button.setAttribute("aria-label", "layer " + at.layer + " head " + at.head + at.where + ": " +
+        data.metric + " " + fmt(v));
+      button.style.background = colour(data.normalized[row][col]);
+      button.addEventListener("click", function () { show(row, col); });
       td.appendChild(button);
       tr.appendChild(td);
     });
