@@ -20,6 +20,11 @@ changed), metric logit[3] − logit[7] at the last token. The sweeps:
 - ``nnsight``: ``LanguageModel`` on the same model, the clean ``c_proj`` inputs saved in one
   trace, then one trace per head writing that head's slice.
 
+``--by position`` patches one head at one position at a time, at 4 positions (the token
+before the changed one, the changed one, one between it and the end, the last):
+``qkv.edits.position_patching``, TransformerLens's ``generic_activation_patch`` on ``z``
+with those (layer, pos, head) rows, and the nnsight loop writing one position.
+
 TransformerLens and nnsight are measured when they can be imported (``pip install
 'qkv[interp]'``). Every table is checked against qkv's (to 1e-4). Time: the whole sweep (the
 clean run and the cache included), the median of the repeats, the sweeps alternating; each
@@ -31,6 +36,7 @@ Usage:
     python benchmarks/bench_patching.py --quick         # a smoke run: 2 layers, N = 16
     python benchmarks/bench_patching.py --lengths 256 --repeats 3 --threads 2
     python benchmarks/bench_patching.py --clock cpu     # CPU seconds, on a shared machine
+    python benchmarks/bench_patching.py --by position   # a head at one position at a time
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ import sys
 
 import torch
 
-from qkv.edits._timing import QKV, build, forwards, measure, sweeps, warm
+from qkv.edits._timing import BY, QKV, build, forwards, measure, sweeps, warm
 
 HEADER = "| N | sweep | forwards | time (s) | x qkv |"
 
@@ -61,18 +67,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only", nargs="+", metavar="SWEEP", help="measure these sweeps only (and qkv's)"
     )
+    parser.add_argument(
+        "--by",
+        choices=BY,
+        default="head",
+        help="a head at every position, or a head at one position at a time (4 positions)",
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.threads:
         torch.set_num_threads(args.threads)
     lengths = [16] if args.quick else (args.lengths or [128, 512, 1024])
     model = build(args.quick)
-    found = sweeps(model, args.only)
+    found = sweeps(model, args.only, args.by)
     config = model.config
     print(
         f"GPT-2, {config.n_layer} layers x {config.n_head} heads, hidden {config.n_embd}, "
-        f"float32, B = 1, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"{args.clock} clock"
+        f"float32, B=1\ntorch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{args.clock} clock, by {args.by}"
     )
     print(HEADER)
     print("|---|---|---|---|---|")
@@ -86,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         for name, median in seconds.items():
             ratio = median / seconds[QKV]
-            print(f"| {length} | {name} | {forwards(model, name)} | {median:.3f} | {ratio:.2f} |")
+            runs = forwards(model, name, args.by)
+            print(f"| {length} | {name} | {runs} | {median:.3f} | {ratio:.2f} |")
         sys.stdout.flush()
     return 0
 

@@ -30,12 +30,27 @@ def test_quick_run_checks_every_sweep_and_prints_them(capsys: pytest.CaptureFixt
     bench = _bench()
     assert bench.main(["--quick"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1] == bench.HEADER
-    rows = [line.split(" | ") for line in lines[3:]]
+    assert lines[2] == bench.HEADER
+    rows = [line.split(" | ") for line in lines[4:]]
     assert [r[1] for r in rows] == SWEEPS  # qkv[interp] is part of the dev install
     assert rows[0][2] == "2 + 2 batches" and rows[1][2] == "9"
     assert rows[0][4] == "1.00 |"
-    assert all(len(line) <= 100 for line in lines)
+    assert all(len(line) <= 80 for line in lines)
+
+
+def test_quick_run_by_position_checks_the_peers_tables(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """One head at one position at a time: qkv's table equals TransformerLens's
+    ``generic_activation_patch`` over those (layer, pos, head) rows and the nnsight loop's
+    (measure raises otherwise), and each peer runs the model once per cell."""
+    bench = _bench()
+    assert bench.main(["--quick", "--by", "position"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].endswith("by position")
+    rows = [line.split(" | ") for line in lines[4:]]
+    assert [r[1] for r in rows] == ["qkv.patching", "TransformerLens", "nnsight"]
+    assert rows[1][2] == rows[2][2] == "33"  # 2 layers x 4 positions x 4 heads, and the clean run
 
 
 def test_the_qkv_bench_section_makes_a_row_per_sweep(monkeypatch: pytest.MonkeyPatch) -> None:

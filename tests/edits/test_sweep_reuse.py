@@ -1,7 +1,8 @@
 """Sweeps that reuse what they can (issue 39): batched heads, only the layers above run.
 
 ``qkv.patching``, ``ablation_sweep`` and ``position_patching`` run one batch row per head and
-start from the kept input of the patched layer's block. Each table is compared, cell by cell,
+start from the kept input of the patched layer's block; in a causal language model, from the
+first position a batch changes. Each table is compared, cell by cell,
 with one forward per edit: the per-head path (``qkv.intervene`` with one edit) on every
 Hugging Face family qkv traces (tests/hf/test_hf_tracing.py, left padding) and on a model of
 ``qkv.nn`` blocks, in float32 (1e-5) and float64 (1e-10); patching by position with a hand
@@ -122,6 +123,59 @@ def test_only_the_layers_above_run_one_head_per_batch_row() -> None:
         stop()
     assert seen[4:] == [(0, 6), (1, 6), (0, 2), (1, 2), (1, 6), (1, 2)]
     _close(small.values, qkv.patching(model, clean, corrupt, _metric).values, torch.float32)
+
+
+def _query_lengths(model: Any) -> tuple[list[int], Callable[[], None]]:
+    """The query positions of every attention module call, and the function that stops."""
+    seen: list[int] = []
+
+    def hook(_: Any, args: Any, kwargs: Any) -> None:
+        seen.append(int((args[0] if args else kwargs["hidden_states"]).shape[1]))
+
+    handles = [
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        for _, module in attention_modules(model)
+    ]
+
+    def stop() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return seen, stop
+
+
+# clean and corrupt prompts of one template agree on their first tokens; a causal model's
+# positions before the first change are the same in every run, so a sweep's batches run
+# only the later ones on the first run's cache (a sliding window's cache drops keys, so
+# there every position runs)
+@pytest.mark.parametrize(
+    ("family", "dtype", "later"),
+    [
+        ("llama (GQA)", torch.float32, True),
+        ("gpt2", torch.float64, True),
+        ("mistral (sliding window)", torch.float32, False),
+        ("bert", torch.float32, False),
+    ],
+)
+def test_a_causal_model_runs_only_the_positions_from_the_first_change(
+    family: str, dtype: torch.dtype, later: bool
+) -> None:
+    model = _family(family).to(dtype)
+    shared, length = 3, int(IDS.shape[1])
+    clean = {"input_ids": torch.cat([IDS[:, :shared], OTHER[:, shared:]], dim=1)}
+    corrupt = {"input_ids": IDS}
+    seen, stop = _query_lengths(model)
+    try:
+        table = qkv.patching(model, clean, corrupt, _metric)
+    finally:
+        stop()
+    layers = len(attention_modules(model))
+    assert seen[: 2 * layers] == [length] * 2 * layers  # the clean and corrupt runs
+    assert set(seen[2 * layers :]) == {length - shared if later else length}
+    source = record(model, clean)
+    _close(table.values, _per_head(model, corrupt, lambda i, h: patch(i, h, source)), dtype)
+    flat = [v for row in table.values for v in row]
+    assert max(abs(v - table.corrupt) for v in flat) > 3 * TOLERANCE[dtype]  # it can fail
 
 
 @pytest.mark.parametrize(
@@ -259,7 +313,7 @@ def test_batch_and_memory_are_checked_before_the_sweep_runs(
     monkeypatch.setattr(sweep_module, "available_memory", lambda: 60_000)
     message = (
         r"^patching\(model, clean, corrupt, metric\): a batch of 4 rows needs about "
-        r"[\d.]+ kB \([\d.]+ kB a row: logits, activations and attention scores\), more than "
+        r"[\d.]+ kB \([\d.]+ kB a row: logits, activations, scores and cache\), more than "
         r"the 60\.0 kB this process may still take\. Hint: batch=\d\.$"
     )
     with pytest.raises(ValueError, match=message):
@@ -394,6 +448,10 @@ class Tiny3(torch.nn.Module):
         return out
 
 
+# the corrupt prompt's first two tokens, then others: the senders' batches start at 2
+_SHARING = torch.cat([IDS[:, :2] + 20, OTHER[:, 2:]], dim=1)
+
+
 def _three_layers(family: str, dtype: torch.dtype) -> tuple[Any, Any, Any, Callable[..., Any]]:
     """A three-layer model, its clean and corrupt inputs, and ``parts(through, head)``: its
     output projections, the receiver's projection of ``through`` and head's columns there."""
@@ -416,14 +474,14 @@ def _three_layers(family: str, dtype: torch.dtype) -> tuple[Any, Any, Any, Calla
         model = tf.LlamaModel(config)
         attns = [b.self_attn for b in model.layers]
         outs, names, fused = [a.o_proj for a in attns], ("q_proj", "k_proj", "v_proj"), False
-        clean, corrupt = {"input_ids": OTHER[:, :5]}, {"input_ids": IDS[:, :5] + 20}
+        clean, corrupt = {"input_ids": _SHARING[:, :5]}, {"input_ids": IDS[:, :5] + 20}
         width, group = 8, 2
     else:
         config = tf.GPT2Config(vocab_size=60, n_embd=32, n_layer=3, n_head=4, n_positions=16)
         model = tf.GPT2Model(config)
         attns = [b.attn for b in model.h]
         outs, names, fused = [a.c_proj for a in attns], ("c_attn",) * 3, True
-        clean, corrupt = {"input_ids": OTHER[:, :5]}, {"input_ids": IDS[:, :5] + 20}
+        clean, corrupt = {"input_ids": _SHARING[:, :5]}, {"input_ids": IDS[:, :5] + 20}
         width, group = 8, 1
     if family != "qkv.nn":  # weights of std 0.02 hide a path's effect in rounding
         generator = torch.Generator().manual_seed(2)

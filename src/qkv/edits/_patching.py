@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from qkv.edits._intervene import _by_layer
 from qkv.edits._model import Layers, layers_of
 from qkv.edits._paths import THROUGH, sender_rows
 from qkv.edits._record import record
-from qkv.edits._specs import Edit, Target, ablate, check_layer, patch
+from qkv.edits._specs import Edit, Recording, Target, ablate, check_layer, patch
 from qkv.edits._sweep import Cell, Reuse, bar, check_batch
 
 __all__ = [
@@ -283,7 +283,8 @@ def patching(
 
     The clean and corrupt inputs run once each; then each layer's heads run as one batch
     (one head per batch row), from the kept input of that layer's block: only the layers
-    above run. The result equals one forward per head.
+    above run, and in a causal language model only the positions from the first one a
+    batch's patches change (docs/interventions.md). The result equals one forward per head.
 
     Args:
         model: a Hugging Face model or a model of ``qkv.nn`` modules.
@@ -320,10 +321,23 @@ def patching(
         for layer, count in enumerate(base.heads)
         for head in range(count)
     ]
-    rows = _by_row(base.heads, _cells(layers, edits))
-    values = _sweep(base, rows, metric, batch, progress, where)
+    cells = _cells(layers, edits)
+    if what == "context":
+        cells = _from_first_change(base, cells, source)
+    values = _sweep(base, _by_row(base.heads, cells), metric, batch, progress, where)
     clean_value = _number(metric, source.logits)
     return PatchingResult(values, layers.paths, clean_value, _number(metric, base.logits), what)
+
+
+def _from_first_change(base: Reuse, cells: list[Cell], source: Recording) -> list[Cell]:
+    """The patch cells, each knowing the first position its source context differs from
+    the run's own: it changes nothing before."""
+    return [
+        replace(
+            c, first=base.first_change(c.layer, c.head, source.head(c.layer, c.head, "context"))
+        )
+        for c in cells
+    ]
 
 
 def _by_row(heads: list[int], cells: list[Cell]) -> list[list[Cell]]:
@@ -446,14 +460,14 @@ def position_patching(
     length = max(int(h.shape[1]) for heads in source.contexts.values() for h in heads.values())
     chosen = _positions(positions, length, where)
     _cells(layers, [patch(i, h, source) for i, n in enumerate(base.heads) for h in range(n)])
-    rows = [
-        [
-            Cell(i, h, _at_position(h, p, source.head(i, h, "context")), f"{where} at {p}")
-            for p in chosen
-            for h in range(count)
-        ]
-        for i, count in enumerate(base.heads)
-    ]
+
+    def cell(layer: int, head: int, at: int) -> Cell:
+        held = source.head(layer, head, "context")
+        first = base.first_change(layer, head, held)  # a patch before it writes what is there
+        write = _at_position(head, at, held)
+        return Cell(layer, head, write, f"{where} at {at}", at if first <= at else first)
+
+    rows = [[cell(i, h, p) for p in chosen for h in range(n)] for i, n in enumerate(base.heads)]
     flat = _sweep(base, rows, metric, batch, progress, where)
     values = [
         [row[j * count : (j + 1) * count] for j in range(len(chosen))]
@@ -533,7 +547,7 @@ def path_patching(
         )
     head %= heads
     senders = [patch(i, h, source) for i in range(layer) for h in range(base.heads[i])]
-    rows = _by_row(base.heads[:layer], _cells(layers, senders))
+    rows = _by_row(base.heads[:layer], _from_first_change(base, _cells(layers, senders), source))
 
     def run(chunk: list[Cell]) -> list[Any]:
         return sender_rows(base, chunk, frozen, (layer, head), through, where)

@@ -145,7 +145,8 @@ def sender_rows(
         stack.callback(target.register_forward_pre_hook(hook, with_kwargs=True).remove)
 
     senders = _Senders(reuse, cells, frozen, range(cells[0].layer + 1, layer))
-    reuse.forward(len(cells), cells[0].layer, senders, stop_at)
+    start = min(cell.first for cell in cells)
+    reuse.forward(len(cells), cells[0].layer, senders, stop_at, start)
 
     def swap(stack: ExitStack) -> None:
         def hook(_: Any, __: Any, output: Any) -> Any:
@@ -156,6 +157,6 @@ def sender_rows(
         stack.callback(target.register_forward_hook(hook).remove)
 
     receiving: Callable[[EditSite], tuple[Any, Any]] = _Receiver(reuse, frozen, layer, head)
-    logits = reuse.forward(len(cells), layer, receiving, swap)
+    logits = reuse.forward(len(cells), layer, receiving, swap, start)
     batch = reuse.batch
     return [logits[i * batch : (i + 1) * batch] for i in range(len(cells))]

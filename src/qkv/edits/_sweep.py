@@ -9,6 +9,13 @@ is the same in every run, so :class:`Reuse` runs the inputs once and keeps the o
 inputs repeated along the batch, one edit per batch row, with every block that finished
 before layer L's attention started replaced by its kept output: only the layers above run.
 
+In a causal language model of Hugging Face, the positions before the first one an edit
+changes are the same in every run too (a cell's ``first``: where a patch's source first
+differs from the run's own context, or the one position a position patch writes). A batch
+then runs only the positions from the batch's first on, with the first run's keys and
+values of the positions before as the model's own cache, and its logits of those positions
+in front of the new ones.
+
 Which blocks finished before is seen, not assumed: the first run notes, in order, when each
 block ends and when each attention layer starts. A block whose output holds something other
 than tensors and tuples of them (a cache), or that ran more than once, always runs. The
@@ -17,6 +24,7 @@ result is the one-forward-per-edit result; the tests compare the two on every fa
 
 from __future__ import annotations
 
+import copy
 import inspect
 import itertools
 from collections.abc import Callable, Iterator, Mapping
@@ -59,6 +67,7 @@ class Cell:
     head: int
     write: Callable[[Target], object]
     where: str
+    first: int = 0  # the first sequence position the write can change
 
 
 def _frozen(value: Any, torch: Any) -> Any:
@@ -99,12 +108,49 @@ def _blocks(model: Any, torch: Any) -> list[tuple[str, Any]]:
     return found
 
 
-def _takes_use_cache(model: Any) -> bool:
+def _sliced(value: Any, batch: int, length: int, start: int, torch: Any) -> Any:
+    """``value`` with each tensor laid out (batch, length, ...) cut to positions ``start``
+    on; tuples and lists keep their form."""
+    if isinstance(value, torch.Tensor):
+        if value.ndim >= 2 and tuple(value.shape[:2]) == (batch, length):
+            return value[:, start:]
+        return value
+    if type(value) in (tuple, list):
+        return type(value)(_sliced(v, batch, length, start, torch) for v in value)
+    return value
+
+
+def _parameters(model: Any) -> Mapping[str, Any]:
     try:
-        parameters = inspect.signature(model.forward).parameters
+        return inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
-        return False
-    return "use_cache" in parameters
+        return {}
+
+
+def _token_ids(inputs: Any, torch: Any) -> Any:
+    """The (B, N) token ids of inputs that are token ids only (a tensor, or a mapping of
+    ``input_ids`` and an all-ones ``attention_mask``), else None."""
+    if isinstance(inputs, Mapping):
+        mask = inputs.get("attention_mask")
+        if set(inputs) - {"input_ids", "attention_mask"} or (
+            mask is not None and not bool((mask == 1).all())
+        ):
+            return None
+        inputs = inputs.get("input_ids")
+    if isinstance(inputs, torch.Tensor) and inputs.ndim == 2 and not inputs.is_floating_point():
+        return inputs
+    return None
+
+
+def _causal_lm(model: Any, layers: Layers) -> bool:
+    """Whether ``model`` is a Hugging Face decoder that takes a key/value cache and whose
+    attention layers are all causal (each position sees only those before it)."""
+    return (
+        layers.hf
+        and "past_key_values" in _parameters(model)
+        and not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+        and all(getattr(module, "is_causal", False) is True for module in layers.modules)
+    )
 
 
 @dataclass
@@ -115,6 +161,8 @@ class _Seen:
     shapes: dict[int, tuple[int, int, int, int]] | None = None  # (H, Hkv, D, Dv) by layer
     starts: dict[int, int] | None = None  # the tick at which each layer's attention began
     row_bytes: int = 0  # the attention scores of the largest call, per batch row
+    contexts: dict[int, Any] | None = None  # (B, H, N, Dv) by layer (a causal LM's only)
+    cache_bytes: int = 0  # the keys and values of every layer, per batch row (the same)
 
 
 class Reuse:
@@ -123,18 +171,24 @@ class Reuse:
     Attributes:
         logits: the first run's logits (B, ...), unedited (edits of an enclosing
             ``qkv.intervene`` block apply).
+        cache: the first run's key/value cache, where a batch may start at a later
+            position (a causal language model of Hugging Face on token ids, no enclosing
+            ``qkv.intervene`` block), else None.
         batch: B, the inputs' batch.
         heads: the query heads of each layer (0 for a layer that did not run).
         shapes: (H, Hkv, D, Dv) of each layer that ran.
         row_bytes: the memory one batch row of a sweep takes, estimated (logits,
-            activations, the largest call's attention scores).
+            activations, the largest call's attention scores, and a copy of the cache).
     """
 
     def __init__(self, model: Any, layers: Layers, inputs: Any, where: str) -> None:
         torch = require("torch", feature="qkv.patching", extra="torch")
         self.model, self.layers, self.inputs, self.where = model, layers, inputs, where
-        self.extra = {"use_cache": False} if layers.hf and _takes_use_cache(model) else {}
+        self.extra = {"use_cache": False} if layers.hf and "use_cache" in _parameters(model) else {}
         self.outer = active_editor()
+        self._ids = _token_ids(inputs, torch)
+        self._later = self._ids is not None and self.outer is None and _causal_lm(model, layers)
+        self.cache: Any = None  # set by the first run where batches may start later
         self._blocks = _blocks(model, torch)
         self._kept: dict[str, Any] = {}
         self._ends: dict[str, int] = {}
@@ -143,13 +197,15 @@ class Reuse:
         self.shapes = seen.shapes or {}
         self.heads = [self.shapes.get(i, (0,))[0] for i in range(len(layers.paths))]
         self._starts = seen.starts or {}
+        self._contexts = seen.contexts or {}
         kept = max((_bytes(v, torch) for v in self._kept.values()), default=0)
         logits = _bytes(self.logits, torch)
         self.row_bytes = (logits + _ACTIVATIONS * kept) // max(self.batch, 1) + seen.row_bytes
+        self.row_bytes += seen.cache_bytes if self.cache is not None else 0
 
     def _observe(self, torch: Any) -> _Seen:
         ticks = itertools.count()
-        seen = _Seen(shapes={}, starts={})
+        seen = _Seen(shapes={}, starts={}, contexts={} if self._later else None)
         calls: dict[str, int] = {}
         index = {id(m): i for i, m in enumerate(self.layers.modules)}
 
@@ -181,6 +237,11 @@ class Reuse:
                 seen.shapes[layer] = (h, kv, dim, int(site.value.shape[-1]))
                 scores = h * lq * int(site.key.shape[2]) * context.element_size()
                 seen.row_bytes = max(seen.row_bytes, scores // max(b, 1))
+                if seen.contexts is not None:  # a layer called twice has no one context
+                    once = layer not in seen.contexts
+                    seen.contexts[layer] = context.detach().clone() if once else None
+                    held = site.key.numel() + site.value.numel()  # the cache a row copies
+                    seen.cache_bytes += held * site.key.element_size() // max(b, 1)
             return context, weights
 
         with ExitStack() as stack:
@@ -193,7 +254,12 @@ class Reuse:
             stack.enter_context(torch.no_grad())
             stack.enter_context(routed_model(self.model, self.layers, self.where))
             stack.enter_context(editing(look))
-            self.logits = self._forward(self.inputs)
+            output = self._forward(self.inputs, **({"use_cache": True} if self._later else {}))
+        self.logits = logits_of(output)
+        cache = getattr(output, "past_key_values", None) if self._later else None
+        whole = not any(getattr(cache, "is_sliding", None) or ())  # a window drops keys
+        if whole and getattr(cache, "is_croppable", False) and hasattr(cache, "crop"):
+            self.cache = cache
         for path, count in calls.items():
             if count != 1:
                 self._kept[path] = _UNKEPT
@@ -204,14 +270,36 @@ class Reuse:
             )
         return seen
 
-    def _forward(self, inputs: Any) -> Any:
-        """The model's logits on ``inputs`` (with ``use_cache=False`` where it takes it)."""
+    def _forward(self, inputs: Any, **extra: Any) -> Any:
+        """The model's output on ``inputs`` (with ``use_cache=False`` where it takes it,
+        unless ``extra`` says otherwise)."""
         if not self.extra:
-            return logits_of(run_model(self.model, inputs))
+            return run_model(self.model, inputs)
+        extra = {**self.extra, **extra}
         if isinstance(inputs, Mapping):
-            return logits_of(self.model(**{**self.extra, **inputs}))
+            return self.model(**{**extra, **inputs})
         args = inputs if isinstance(inputs, tuple) else (inputs,)
-        return logits_of(self.model(*args, **self.extra))
+        return self.model(*args, **extra)
+
+    def first_change(self, layer: int, head: int, source: Any) -> int:
+        """The first position at which ``source`` (B, N, Dv), a head's context from
+        another run, differs from this run's context of that head (N if nowhere; 0 when
+        batches cannot start later)."""
+        context = self._contexts.get(layer)
+        if (
+            self.cache is None
+            or context is None
+            or tuple(source.shape)
+            != (
+                context.shape[0],
+                context.shape[2],
+                context.shape[3],
+            )
+        ):
+            return 0
+        differs = (source.to(context.dtype) != context[:, head]).any(dim=2).any(dim=0)
+        found = differs.nonzero()
+        return int(found[0, 0]) if len(found) else int(differs.shape[0])
 
     def skipped(self, layer: int) -> list[str]:
         """The blocks whose kept output a batch of edits of ``layer`` reuses: those that
@@ -228,7 +316,8 @@ class Reuse:
         the inputs, cell i editing copy i, starting above the blocks all cells' layers
         reuse."""
         first = min(cell.layer for cell in cells)
-        logits = self.forward(len(cells), first, _RowEditor(self, cells))
+        start = min(cell.first for cell in cells)
+        logits = self.forward(len(cells), first, _RowEditor(self, cells), start=start)
         return [logits[i * self.batch : (i + 1) * self.batch] for i in range(len(cells))]
 
     def forward(
@@ -237,24 +326,40 @@ class Reuse:
         first: int,
         editor: Callable[[EditSite], tuple[Any, Any]],
         hooks: Callable[[ExitStack], None] | None = None,
+        start: int = 0,
     ) -> Any:
         """One forward of ``copies`` copies of the inputs under ``editor`` (and the forward
         hooks ``hooks`` registers on the stack), reusing the blocks that ended before layer
-        ``first`` began. Returns the logits (copies·B, ...), or None when a hook raised
-        :class:`Stop`."""
+        ``first`` began, and (with :attr:`cache`) the positions before ``start``. Returns
+        the logits (copies·B, ...), or None when a hook raised :class:`Stop`."""
         torch = require("torch", feature="qkv.patching", extra="torch")
-        inputs = _repeated(self.inputs, self.batch, copies, torch)
+        length = 0 if self._ids is None else int(self._ids.shape[1])
+        start = min(start, length - 1) if self.cache is not None else 0
+        tiled = torch.arange(self.batch).repeat(copies)
+        extra: dict[str, Any] = {}
+        if start > 0:
+            cache = copy.deepcopy(self.cache)
+            cache.crop(start - length)  # a negative count: the tokens removed
+            cache.batch_select_indices(tiled.to(self._ids.device))
+            extra = {"use_cache": True, "past_key_values": cache}
+            inputs = self._ids[:, start:].repeat(copies, 1)
+        else:
+            inputs = _repeated(self.inputs, self.batch, copies, torch)
         with ExitStack() as stack:
             stack.enter_context(torch.no_grad())
-            stack.enter_context(self._reusing(self.skipped(first), copies, torch))
+            skipped = self.skipped(first)
+            stack.enter_context(self._reusing(skipped, copies, length, start, torch))
             stack.enter_context(routed_model(self.model, self.layers, self.where))
             stack.enter_context(editing(editor))
             if hooks is not None:
                 hooks(stack)
             try:
-                logits = self._forward(inputs)
+                logits = logits_of(self._forward(inputs, **extra))
             except Stop:
                 return None
+        if start > 0:  # the positions before start are the first run's
+            before = self.logits[:, :start].to(logits.device)
+            logits = torch.cat([before[tiled.to(before.device)], logits], dim=1)
         if int(logits.shape[0]) != copies * self.batch:
             raise ValueError(
                 f"{self.where}: the model gave {int(logits.shape[0])} rows for a batch of "
@@ -264,14 +369,19 @@ class Reuse:
         return logits
 
     @contextmanager
-    def _reusing(self, paths: list[str], copies: int, torch: Any) -> Iterator[None]:
-        """Inside the block, the modules at ``paths`` return their kept output (repeated
-        ``copies`` times along the batch) instead of running."""
+    def _reusing(
+        self, paths: list[str], copies: int, length: int, start: int, torch: Any
+    ) -> Iterator[None]:
+        """Inside the block, the modules at ``paths`` return their kept output (from
+        position ``start`` on of ``length``, repeated ``copies`` times along the batch)
+        instead of running."""
         modules = dict(self._blocks)
         saved: list[tuple[Any, Any]] = []
         try:
             for path in paths:
                 module, kept = modules[path], self._kept[path]
+                if start:
+                    kept = _sliced(kept, self.batch, length, start, torch)
                 saved.append((module, module.__dict__.get("forward")))
 
                 def reused(*_: Any, kept: Any = kept, **__: Any) -> Any:
@@ -359,7 +469,7 @@ def check_batch(batch: object, rows: int, row_bytes: int, where: str) -> int:
         hint = f"batch={fit}" if fit >= 1 else "fewer tokens, or a smaller model"
         raise ValueError(
             f"{where}: a batch of {batch} rows needs about {size_text(batch * row_bytes)} "
-            f"({size_text(row_bytes)} a row: logits, activations and attention scores), more "
+            f"({size_text(row_bytes)} a row: logits, activations, scores and cache), more "
             f"than the {size_text(free)} this process may still take. Hint: {hint}."
         )
     return batch

@@ -12,6 +12,7 @@ layer below ``qkv.edits``). TransformerLens and nnsight run when they can be imp
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
 import io
 import json
@@ -30,11 +31,11 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from qkv.edits._intervene import intervene
-from qkv.edits._patching import patching
+from qkv.edits._patching import patching, position_patching
 from qkv.edits._record import record
 from qkv.edits._specs import patch
 
-__all__ = ["QKV", "TOLERANCE", "build", "measure", "sweeps"]
+__all__ = ["BY", "QKV", "TOLERANCE", "build", "measure", "positions", "sweeps"]
 
 TOLERANCE = 1e-4
 VOCAB = 512
@@ -90,6 +91,20 @@ def _eager(model: Any) -> Iterator[None]:
 def qkv_sweep(model: Any, clean: torch.Tensor, corrupt: torch.Tensor) -> Table:
     values: Table = patching(model, clean, corrupt, qkv_metric).values
     return values
+
+
+def positions(length: int) -> tuple[int, ...]:
+    """The positions a sweep by position patches: the token before the changed one (where
+    clean and corrupt agree), the changed token, one between it and the end, the last."""
+    return (length // 2 - 1, length // 2, (3 * length) // 4, length - 1)
+
+
+def qkv_position_sweep(model: Any, clean: torch.Tensor, corrupt: torch.Tensor) -> Table:
+    """``qkv.edits.position_patching``: ``table[layer][i * heads + head]`` for
+    ``positions(N)[i]``."""
+    chosen = list(positions(int(clean.shape[1])))
+    found = position_patching(model, clean, corrupt, qkv_metric, positions=chosen).values
+    return [[value for at in layer for value in at] for layer in found]
 
 
 def per_head_sweep(model: Any, clean: torch.Tensor, corrupt: torch.Tensor) -> Table:
@@ -154,7 +169,7 @@ def _quiet() -> contextlib.ExitStack:
     return stack
 
 
-def lens_peer(model: Any) -> Sweep | None:
+def lens_peer(model: Any, by: str = "head") -> Sweep | None:
     """TransformerLens's sweep on a bridge to the same weights (None if not installed)."""
     if importlib.util.find_spec("transformer_lens") is None:
         return None
@@ -175,10 +190,27 @@ def lens_peer(model: Any) -> Sweep | None:
         table: Table = found.tolist()
         return table
 
-    return sweep
+    def by_position(_: Any, clean: torch.Tensor, corrupt: torch.Tensor) -> Table:
+        pd = importlib.import_module("pandas")  # TransformerLens's own dependency
+
+        layers, heads, _ = _shape(model)
+        chosen = positions(int(clean.shape[1]))
+        rows = [(i, p, h) for i in range(layers) for p in chosen for h in range(heads)]
+        index = pd.DataFrame(rows, columns=["layer", "pos", "head"])
+        with torch.no_grad(), _quiet():
+            _, cache = bridge.run_with_cache(clean)
+            found = patching.generic_activation_patch(
+                bridge, corrupt, cache, metric, patching.layer_pos_head_vector_patch_setter,
+                "z", index_df=index,
+            )  # fmt: skip
+        flat: list[float] = found.tolist()
+        width = len(chosen) * heads
+        return [flat[i * width : (i + 1) * width] for i in range(layers)]
+
+    return by_position if by == "position" else sweep
 
 
-def nnsight_peer(model: Any) -> Sweep | None:
+def nnsight_peer(model: Any, by: str = "head") -> Sweep | None:
     """An nnsight loop on the same model (None if not installed)."""
     if importlib.util.find_spec("nnsight") is None:
         return None
@@ -196,19 +228,23 @@ def nnsight_peer(model: Any) -> Sweep | None:
     def sweep(_: Any, clean: torch.Tensor, corrupt: torch.Tensor) -> Table:
         kept: dict[int, Any] = {}
         table = []
+        chosen: tuple[Any, ...] = (slice(None),)  # every position at once
+        if by == "position":
+            chosen = positions(int(clean.shape[1]))
         with torch.no_grad(), _quiet():
             with wrapped.trace(clean):
                 for i in range(layers):
                     kept[i] = wrapped.transformer.h[i].attn.c_proj.input.save()
             for i in range(layers):
                 row = []
-                for head in range(heads):
-                    part = slice(head * width, (head + 1) * width)
-                    with wrapped.trace(corrupt):
-                        z = wrapped.transformer.h[i].attn.c_proj.input
-                        z[:, :, part] = kept[i][:, :, part]
-                        out = wrapped.lm_head.output.save()
-                    row.append(qkv_metric(out))
+                for at in chosen:
+                    for head in range(heads):
+                        part = slice(head * width, (head + 1) * width)
+                        with wrapped.trace(corrupt):
+                            z = wrapped.transformer.h[i].attn.c_proj.input
+                            z[:, at, part] = kept[i][:, at, part]
+                            out = wrapped.lm_head.output.save()
+                        row.append(qkv_metric(out))
                 table.append(row)
         return table
 
@@ -221,27 +257,39 @@ def _worst(ours: Table, theirs: Table) -> float:
     )
 
 
-def sweeps(model: Any, only: list[str] | None = None) -> dict[str, Sweep]:
-    """The sweeps to time, qkv's first; ``only``: those names (and qkv's)."""
-    found: dict[str, Sweep] = {
-        QKV: qkv_sweep,
-        "qkv, a forward per head": per_head_sweep,
-        "eager + hooks": eager_sweep,
-    }
+BY = ("head", "position")
+"""What a sweep patches at a time: a head at every position, or a head at one position
+(at each of :func:`positions`)."""
+
+
+def sweeps(model: Any, only: list[str] | None = None, by: str = "head") -> dict[str, Sweep]:
+    """The sweeps to time, qkv's first; ``only``: those names (and qkv's). By position:
+    qkv's, TransformerLens's and nnsight's."""
+    found: dict[str, Sweep] = (
+        {QKV: qkv_position_sweep}
+        if by == "position"
+        else {
+            QKV: qkv_sweep,
+            "qkv, a forward per head": per_head_sweep,
+            "eager + hooks": eager_sweep,
+        }
+    )
     for name, make in (("TransformerLens", lens_peer), ("nnsight", nnsight_peer)):
         if only and name not in only:
             continue
-        peer = make(model)
+        peer = make(model, by)
         if peer is not None:
             found[name] = peer
     return {k: v for k, v in found.items() if not only or k == QKV or k in only}
 
 
-def forwards(model: Any, name: str) -> str:
+def forwards(model: Any, name: str, by: str = "head") -> str:
     """The model runs of a sweep: qkv's, the clean and corrupt prompts then a batch per layer
-    (from that layer up); the others, the clean prompt then a run per head."""
+    (from that layer up); the others, the clean prompt then a run per head (by position: per
+    head and position)."""
     layers, heads, _ = _shape(model)
-    return f"2 + {layers} batches" if name == QKV else f"{layers * heads + 1}"
+    runs = layers * heads * (len(positions(16)) if by == "position" else 1)
+    return f"2 + {layers} batches" if name == QKV else f"{runs + 1}"
 
 
 def measure(
@@ -284,12 +332,13 @@ def _main(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
     model = build(bool(spec.get("quick")))
-    found = sweeps(model, spec.get("only"))
+    by = spec.get("by", "head")
+    found = sweeps(model, spec.get("only"), by)
     warm(model, found)
     seconds = measure(
         model, found, int(spec["length"]), int(spec.get("repeats", 1)), spec.get("clock", "wall")
     )
-    return {"seconds": seconds, "forwards": {name: forwards(model, name) for name in found}}
+    return {"seconds": seconds, "forwards": {name: forwards(model, name, by) for name in found}}
 
 
 if __name__ == "__main__":
