@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         "--by",
         choices=BY,
         default="head",
-        help="a head at every position, or a head at one position at a time (4 positions)",
+        help="a head at all positions, at one at a time (4), or its path to a later head's keys",
     )
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -176,6 +176,22 @@ def test_a_causal_model_runs_only_the_positions_from_the_first_change(
     _close(table.values, _per_head(model, corrupt, lambda i, h: patch(i, h, source)), dtype)
     flat = [v for row in table.values for v in row]
     assert max(abs(v - table.corrupt) for v in flat) > 3 * TOLERANCE[dtype]  # it can fail
+    if not later:
+        return
+    # by position: a patch before the first change writes what is there (no run), and each
+    # batch of one position runs from it
+    seen, stop = _query_lengths(model)
+    try:
+        by_position = position_patching(model, clean, corrupt, _metric, positions=[1, 3, 6])
+    finally:
+        stop()
+    assert sorted(set(seen[2 * layers :])) == [1, length - shared]
+    blocks = model.layers if family != "gpt2" else model.h
+    outs = [b.self_attn.o_proj if family != "gpt2" else b.attn.c_proj for b in blocks]
+    expected = _by_hand(model, clean, corrupt, outs, 8)
+    for ours, theirs in zip(by_position.values, expected, strict=True):
+        _close(ours, [theirs[1], theirs[3], theirs[6]], dtype)
+        assert ours[0] == [by_position.corrupt] * len(ours[0])
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import qkv
-from qkv.attention import _backends, _long_trace
+from qkv.attention import _long_trace, _reference
 from qkv.hf import attention_modules, qkv_attention_forward
 from tests.hf.test_hf_tracing import (
     FAMILIES,
@@ -208,7 +208,7 @@ def test_one_traced_row_never_forms_a_full_score_matrix(
 
         return wrapped
 
-    for module, kind in ((_backends, "all rows"), (_long_trace, "rows")):
+    for module, kind in ((_reference, "all rows"), (_long_trace, "rows")):
         monkeypatch.setattr(module, "attend", counting(kind, vars(module)["attend"]))
     select = {"layers": -1, "heads": 0, "queries": -1}
     with _one_thread():

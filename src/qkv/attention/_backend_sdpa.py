@@ -261,10 +261,10 @@ def _notes(call: Call) -> Notes:
     return Notes(tuple(notes), kernel)
 
 
-def _prepare(call: Call) -> bool | None:
+def _prepare(call: Call) -> bool | str | None:
     """What a plan of sdpa works out once: for a call with no mask and no bias on CPU, in
     (B, H, L, D), the ``is_causal`` flag torch's flash kernel runs it with where its
-    log-sum-exp can vouch for the output
+    log-sum-exp can vouch for the output, or ``"bottom-right"`` where it runs in two parts
     (:func:`qkv.kernels._torch_sdpa.flash_causal_flag`); else None."""
     options = call.options
     plain = options.mask is None and options.bias is None

@@ -46,8 +46,9 @@ def patching_section(settings: Settings, tick: Callable[[], None]) -> Table:
         REFERENCE,
         note=(
             "ratio: time / qkv.patching's (above 1: slower than qkv). qkv runs each layer's "
-            "heads as one batch from that layer's kept input; the others run the whole model "
-            "once per head. Every table is checked against qkv's (1e-4) before it counts."
+            "heads as one batch from that layer's kept input and the first position the "
+            "prompts differ at (the middle); the others run the whole model once per head. "
+            "Every table is checked against qkv's (1e-4) before it counts."
         ),
     )
     for length in _lengths(settings):

@@ -10,8 +10,9 @@ one of a forward per head (the tests compare them on every family).
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -212,13 +213,22 @@ def _sweep(
     values: list[list[float]] = []
     with bar(progress, total, where.split("(")[0]) as advance:
         for row in rows:
-            found: list[float] = []
-            for start in range(0, len(row), size):
-                chunk = row[start : start + size]
-                found += [_number(metric, logits) for logits in run(chunk)]
+            found = [math.nan] * len(row)
+            for chunk in _batches(row, size):
+                for i, logits in zip(chunk, run([row[i] for i in chunk]), strict=True):
+                    found[i] = _number(metric, logits)
                 advance(len(chunk))
             values.append(found)
     return values
+
+
+def _batches(row: list[Cell], size: int) -> Iterator[list[int]]:
+    """The indices of ``row``'s cells in batches of at most ``size``, each batch of cells
+    that first change one position (a batch runs from its cells' first)."""
+    order = sorted(range(len(row)), key=lambda i: row[i].first)
+    for _, same in itertools.groupby(order, key=lambda i: row[i].first):
+        group = list(same)
+        yield from (group[start : start + size] for start in range(0, len(group), size))
 
 
 def _cells(layers: Layers, edits: Sequence[Edit]) -> list[Cell]:
@@ -463,9 +473,9 @@ def position_patching(
 
     def cell(layer: int, head: int, at: int) -> Cell:
         held = source.head(layer, head, "context")
-        first = base.first_change(layer, head, held)  # a patch before it writes what is there
+        first = base.first_change(layer, head, held)  # before it, a patch writes what is there
         write = _at_position(head, at, held)
-        return Cell(layer, head, write, f"{where} at {at}", at if first <= at else first)
+        return Cell(layer, head, write, f"{where} at {at}", at if first <= at else length)
 
     rows = [[cell(i, h, p) for p in chosen for h in range(n)] for i, n in enumerate(base.heads)]
     flat = _sweep(base, rows, metric, batch, progress, where)

@@ -187,6 +187,7 @@ class Reuse:
         self.extra = {"use_cache": False} if layers.hf and "use_cache" in _parameters(model) else {}
         self.outer = active_editor()
         self._ids = _token_ids(inputs, torch)
+        self._length = 0 if self._ids is None else int(self._ids.shape[1])
         self._later = self._ids is not None and self.outer is None and _causal_lm(model, layers)
         self.cache: Any = None  # set by the first run where batches may start later
         self._blocks = _blocks(model, torch)
@@ -286,16 +287,7 @@ class Reuse:
         another run, differs from this run's context of that head (N if nowhere; 0 when
         batches cannot start later)."""
         context = self._contexts.get(layer)
-        if (
-            self.cache is None
-            or context is None
-            or tuple(source.shape)
-            != (
-                context.shape[0],
-                context.shape[2],
-                context.shape[3],
-            )
-        ):
+        if self.cache is None or context is None or source.shape != context[:, head].shape:
             return 0
         differs = (source.to(context.dtype) != context[:, head]).any(dim=2).any(dim=0)
         found = differs.nonzero()
@@ -317,6 +309,8 @@ class Reuse:
         reuse."""
         first = min(cell.layer for cell in cells)
         start = min(cell.first for cell in cells)
+        if self.cache is not None and start >= self._length:  # no cell changes a position
+            return [self.logits] * len(cells)
         logits = self.forward(len(cells), first, _RowEditor(self, cells), start=start)
         return [logits[i * self.batch : (i + 1) * self.batch] for i in range(len(cells))]
 
@@ -333,13 +327,12 @@ class Reuse:
         ``first`` began, and (with :attr:`cache`) the positions before ``start``. Returns
         the logits (copies·B, ...), or None when a hook raised :class:`Stop`."""
         torch = require("torch", feature="qkv.patching", extra="torch")
-        length = 0 if self._ids is None else int(self._ids.shape[1])
-        start = min(start, length - 1) if self.cache is not None else 0
+        start = min(start, self._length - 1) if self.cache is not None else 0
         tiled = torch.arange(self.batch).repeat(copies)
         extra: dict[str, Any] = {}
         if start > 0:
             cache = copy.deepcopy(self.cache)
-            cache.crop(start - length)  # a negative count: the tokens removed
+            cache.crop(start - self._length)  # a negative count: the tokens removed
             cache.batch_select_indices(tiled.to(self._ids.device))
             extra = {"use_cache": True, "past_key_values": cache}
             inputs = self._ids[:, start:].repeat(copies, 1)
@@ -347,8 +340,7 @@ class Reuse:
             inputs = _repeated(self.inputs, self.batch, copies, torch)
         with ExitStack() as stack:
             stack.enter_context(torch.no_grad())
-            skipped = self.skipped(first)
-            stack.enter_context(self._reusing(skipped, copies, length, start, torch))
+            stack.enter_context(self._reusing(self.skipped(first), copies, start, torch))
             stack.enter_context(routed_model(self.model, self.layers, self.where))
             stack.enter_context(editing(editor))
             if hooks is not None:
@@ -369,19 +361,17 @@ class Reuse:
         return logits
 
     @contextmanager
-    def _reusing(
-        self, paths: list[str], copies: int, length: int, start: int, torch: Any
-    ) -> Iterator[None]:
+    def _reusing(self, paths: list[str], copies: int, start: int, torch: Any) -> Iterator[None]:
         """Inside the block, the modules at ``paths`` return their kept output (from
-        position ``start`` on of ``length``, repeated ``copies`` times along the batch)
-        instead of running."""
+        position ``start`` on, repeated ``copies`` times along the batch) instead of
+        running."""
         modules = dict(self._blocks)
         saved: list[tuple[Any, Any]] = []
         try:
             for path in paths:
                 module, kept = modules[path], self._kept[path]
                 if start:
-                    kept = _sliced(kept, self.batch, length, start, torch)
+                    kept = _sliced(kept, self.batch, self._length, start, torch)
                 saved.append((module, module.__dict__.get("forward")))
 
                 def reused(*_: Any, kept: Any = kept, **__: Any) -> Any:

@@ -31,9 +31,10 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from qkv.edits._intervene import intervene
-from qkv.edits._patching import patching, position_patching
+from qkv.edits._patching import patching, path_patching, position_patching
 from qkv.edits._record import record
 from qkv.edits._specs import patch
+from qkv.edits._sweep import Stop
 
 __all__ = ["BY", "QKV", "TOLERANCE", "build", "measure", "positions", "sweeps"]
 
@@ -105,6 +106,96 @@ def qkv_position_sweep(model: Any, clean: torch.Tensor, corrupt: torch.Tensor) -
     chosen = list(positions(int(clean.shape[1])))
     found = position_patching(model, clean, corrupt, qkv_metric, positions=chosen).values
     return [[value for at in layer for value in at] for layer in found]
+
+
+def receiver(model: Any) -> tuple[int, int]:
+    """The receiver of a sweep by path: the middle head of the third layer from the top."""
+    layers, heads, _ = _shape(model)
+    return max(layers - 3, 1), heads // 2
+
+
+def qkv_path_sweep(model: Any, clean: torch.Tensor, corrupt: torch.Tensor) -> Table:
+    """``qkv.edits.path_patching``: each earlier head to :func:`receiver`'s keys."""
+    found: Table = path_patching(
+        model, clean, corrupt, qkv_metric, receiver=receiver(model), through="keys"
+    ).values
+    return found
+
+
+def hooks_path_sweep(model: Any, clean: torch.Tensor, corrupt: torch.Tensor) -> Table:
+    """Path patching written with forward hooks on SDPA (Wang et al., 2022, as researchers
+    write it for TransformerLens): per sender, (1) the corrupt run with the sender's slice of
+    its ``c_proj`` input from the clean run and the heads between frozen to the corrupt run's,
+    stopped at the receiver's ``c_attn``, whose key columns are kept; (2) the corrupt run with
+    those columns swapped in and the receiver layer's other heads frozen."""
+    blocks = model.transformer.h
+    _, heads, width = _shape(model)
+    at, head = receiver(model)
+    outs = [block.attn.c_proj for block in blocks]
+    target = blocks[at].attn.c_attn
+    keys = slice(heads * width + head * width, heads * width + (head + 1) * width)
+    runs: dict[str, dict[int, torch.Tensor]] = {}
+
+    def keep(store: dict[int, torch.Tensor], i: int) -> Callable[..., None]:
+        return lambda _, args: store.__setitem__(i, args[0].clone())
+
+    def put(tensor: torch.Tensor, part: slice) -> Callable[..., tuple[torch.Tensor]]:
+        def hook(_: Any, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+            edited = args[0].clone()
+            edited[..., part] = tensor[..., part]
+            return (edited,)
+
+        return hook
+
+    def stop(seen: dict[str, torch.Tensor]) -> Callable[..., None]:
+        def hook(_: Any, args: tuple[torch.Tensor, ...]) -> None:
+            seen["keys"] = target.forward(args[0])[..., keys]
+            raise Stop
+
+        return hook
+
+    def swap(seen: dict[str, torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def hook(_: Any, __: Any, out: torch.Tensor) -> torch.Tensor:
+            out = out.clone()
+            out[..., keys] = seen["keys"]
+            return out
+
+        return hook
+
+    table = []
+    with torch.no_grad():
+        for name, inputs in (("clean", clean), ("corrupt", corrupt)):
+            runs[name] = {}
+            handles = [o.register_forward_pre_hook(keep(runs[name], i)) for i, o in enumerate(outs)]
+            model(inputs)
+            for handle in handles:
+                handle.remove()
+        others = [slice(h * width, (h + 1) * width) for h in range(heads) if h != head]
+        for sender in range(at):
+            row = []
+            for h in range(heads):
+                seen: dict[str, torch.Tensor] = {}
+                part = slice(h * width, (h + 1) * width)
+                handles = [outs[sender].register_forward_pre_hook(put(runs["clean"][sender], part))]
+                handles += [
+                    outs[i].register_forward_pre_hook(put(runs["corrupt"][i], slice(None)))
+                    for i in range(sender + 1, at)
+                ]
+                handles.append(target.register_forward_pre_hook(stop(seen)))
+                with contextlib.suppress(Stop):
+                    model(corrupt)
+                for handle in handles:
+                    handle.remove()
+                handles = [target.register_forward_hook(swap(seen))]
+                handles += [
+                    outs[at].register_forward_pre_hook(put(runs["corrupt"][at], other))
+                    for other in others
+                ]
+                row.append(qkv_metric(model(corrupt).logits))
+                for handle in handles:
+                    handle.remove()
+            table.append(row)
+    return table
 
 
 def per_head_sweep(model: Any, clean: torch.Tensor, corrupt: torch.Tensor) -> Table:
@@ -257,25 +348,27 @@ def _worst(ours: Table, theirs: Table) -> float:
     )
 
 
-BY = ("head", "position")
-"""What a sweep patches at a time: a head at every position, or a head at one position
-(at each of :func:`positions`)."""
+BY = ("head", "position", "path")
+"""What a sweep patches at a time: a head at every position, a head at one position (at
+each of :func:`positions`), or a head's path to :func:`receiver`'s keys."""
 
 
 def sweeps(model: Any, only: list[str] | None = None, by: str = "head") -> dict[str, Sweep]:
     """The sweeps to time, qkv's first; ``only``: those names (and qkv's). By position:
-    qkv's, TransformerLens's and nnsight's."""
-    found: dict[str, Sweep] = (
-        {QKV: qkv_position_sweep}
-        if by == "position"
-        else {
+    qkv's, TransformerLens's and nnsight's; by path (which neither tool has), qkv's and
+    hooks written out."""
+    own: dict[str, dict[str, Sweep]] = {
+        "head": {
             QKV: qkv_sweep,
             "qkv, a forward per head": per_head_sweep,
             "eager + hooks": eager_sweep,
-        }
-    )
+        },
+        "position": {QKV: qkv_position_sweep},
+        "path": {QKV: qkv_path_sweep, "hooks, two runs per path": hooks_path_sweep},
+    }
+    found = dict(own[by])
     for name, make in (("TransformerLens", lens_peer), ("nnsight", nnsight_peer)):
-        if only and name not in only:
+        if (only and name not in only) or by == "path":  # neither has path patching
             continue
         peer = make(model, by)
         if peer is not None:
@@ -288,6 +381,9 @@ def forwards(model: Any, name: str, by: str = "head") -> str:
     (from that layer up); the others, the clean prompt then a run per head (by position: per
     head and position)."""
     layers, heads, _ = _shape(model)
+    if by == "path":
+        senders = receiver(model)[0] * heads
+        return f"2 + {2 * receiver(model)[0]} batches" if name == QKV else f"{2 * senders + 2}"
     runs = layers * heads * (len(positions(16)) if by == "position" else 1)
     return f"2 + {layers} batches" if name == QKV else f"{runs + 1}"
 

@@ -34,6 +34,7 @@ import torch
 from qkv.masks import Mask, with_causal
 
 __all__ = [
+    "BOTTOM_RIGHT",
     "TORCH_SDPA",
     "as_causal_flag",
     "causal_kind",
@@ -245,17 +246,28 @@ def flash_applies(
     )
 
 
+BOTTOM_RIGHT = "bottom-right"
+""":func:`flash_causal_flag`'s answer for a causal call whose Lq < Lk queries are the last
+of the keys: torch's flash kernel runs it in two parts (:func:`flash_forward`)."""
+
+
 def flash_causal_flag(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, is_causal: bool, alignment: str
-) -> bool | None:
+) -> bool | str | None:
     """For a call with no mask and no bias: the ``is_causal`` torch's CPU flash kernel runs
     it with, where :func:`flash_applies` (and so for every call of its shapes, dtypes and
-    flags); else None."""
-    kind = causal_kind(is_causal, alignment, query.shape[-2], key.shape[-2])
+    flags); :data:`BOTTOM_RIGHT` for bottom-right causal queries after keys that all of
+    them see, both parts of float32 or float64 and of at least :data:`FLASH_LSE_KEYS` keys;
+    else None."""
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    kind = causal_kind(is_causal, alignment, q_len, kv_len)
+    if kind == "rule":
+        exact = query.dtype in (torch.float32, torch.float64) and q_len < kv_len
+        seen = min(q_len, kv_len - q_len) >= FLASH_LSE_KEYS
+        both = exact and seen and flash_applies(query, key[..., :q_len, :], value, is_causal=True)
+        return BOTTOM_RIGHT if both else None
     flag = kind == "top-left"
-    if kind == "rule" or not flash_applies(query, key, value, is_causal=flag):
-        return None
-    return flag
+    return flag if flash_applies(query, key, value, is_causal=flag) else None
 
 
 def flash_forward(
@@ -263,10 +275,11 @@ def flash_forward(
     key: torch.Tensor,
     value: torch.Tensor,
     *,
-    is_causal: bool,
+    is_causal: bool | str,
     scale: float | None,
 ) -> tuple[torch.Tensor, bool] | None:
-    """torch's CPU flash kernel with its log-sum-exp on a call where :func:`flash_applies`,
+    """torch's CPU flash kernel with its log-sum-exp on a call where :func:`flash_applies`
+    (``is_causal`` :data:`BOTTOM_RIGHT`: where :func:`flash_causal_flag` said so),
     when ``scaled_dot_product_attention`` would run that very kernel (outside
     torch.compile, its backend choice): (its output, bit for bit SDPA's, and whether it is
     clean); else None.
@@ -284,6 +297,23 @@ def flash_forward(
     function. A finite input whose scores overflow fails the look and goes to the full
     check, as does anything else this cannot vouch for.
     """
+    if is_causal == BOTTOM_RIGHT:
+        return _flash_bottom_right(query, key, value, scale)
+    found = _flash_with_lse(query, key, value, bool(is_causal), scale)
+    if found is None:
+        return None
+    out, lse = found
+    return out, math.isfinite(float(lse.sum() + out[..., -1, :].sum()))
+
+
+def _flash_with_lse(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    is_causal: bool,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """torch's CPU flash kernel's (output, log-sum-exp), when SDPA would run that kernel."""
     if (
         torch.compiler.is_compiling()
         or torch._fused_sdp_choice(query, key, value, None, 0.0, is_causal, scale=scale) != _FLASH
@@ -292,7 +322,29 @@ def flash_forward(
     out, lse = torch._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, 0.0, is_causal, scale=scale
     )
-    return out, math.isfinite(float(lse.sum() + out[..., -1, :].sum()))
+    return out, lse
+
+
+def _flash_bottom_right(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None
+) -> tuple[torch.Tensor, bool] | None:
+    """Bottom-right causal attention of Lq queries over Lk > Lq keys on torch's CPU flash
+    kernel, in two parts merged by their log-sum-exps: the first Lk − Lq keys, which every
+    query sees (no rule), and the last Lq (causal, top-left). Each part vouches for its keys
+    as :func:`flash_forward` does (its last row sees all of them). Where torch would not run
+    its flash kernel on a part, None."""
+    split = int(key.shape[-2]) - int(query.shape[-2])
+    seen = _flash_with_lse(query, key[..., :split, :], value[..., :split, :], False, scale)
+    own = _flash_with_lse(query, key[..., split:, :], value[..., split:, :], True, scale)
+    if seen is None or own is None:
+        return None
+    (first, lse_first), (last, lse_last) = seen, own
+    top = torch.maximum(lse_first, lse_last)  # (B, H, Lq)
+    w_first, w_last = (lse_first - top).exp(), (lse_last - top).exp()
+    total = (w_first + w_last).unsqueeze(-1)
+    out = (first * w_first.unsqueeze(-1) + last * w_last.unsqueeze(-1)) / total
+    look = lse_first.sum() + lse_last.sum() + first[..., -1, :].sum() + last[..., -1, :].sum()
+    return out.to(query.dtype), math.isfinite(float(look))
 
 
 @functools.cache
