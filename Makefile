@@ -35,9 +35,12 @@ imports: $(VENV)/.installed-dev
 	$(BIN)/lint-imports --no-cache
 
 # The one test that times the page (a 512-token edit, under 100 ms) runs alone, after the
-# rest: on 2 cores a second pytest worker would take the core Chromium needs.
+# rest: on 2 cores a second pytest worker would take the core Chromium needs. --dist loadfile:
+# a file's tests run on one worker, so a module fixture (the graded class of
+# tests/grade/test_class.py, a minute and more) is built once, not once per worker; files go out
+# in collection order (--no-loadscope-reorder), the slow bench files first, the light ones last.
 pytest: $(VENV)/.installed-dev $(CHROMIUM) $(BWRAP)
-	$(BIN)/pytest -n 2 -m "not solo"
+	$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not solo"
 	$(BIN)/pytest -m solo -p no:randomly tests/browser
 
 # Packaging cannot break unseen: build the sdist and, from it, the wheel (no deprecation allowed),

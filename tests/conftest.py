@@ -60,11 +60,23 @@ def _seeded_global_generators(request: pytest.FixtureRequest) -> None:
         sys.modules["torch"].manual_seed(seed)
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread_by_default() -> None:
+    """Every test starts with one PyTorch thread (once torch is imported): two pytest workers
+    on two cores, each with a thread per core, oversubscribe them, and small operations then
+    spin for their threads (a flash-attention check: 0.2 s alone, 10 s so). A test that is
+    about threads sets its own count; the next test starts from one again. Alone or in the
+    suite, a test runs with the same count."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 @pytest.fixture
 def one_torch_thread() -> Iterator[None]:
-    """Tests run side by side (pytest -n 2): one PyTorch thread each keeps the cores from
-    being oversubscribed, which makes many small parallel operations very slow. Use it with
-    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    """One PyTorch thread for the test even if it imports torch itself (the autouse default
+    above applies from the first test after torch's import); the count is restored after.
+    Use it with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
     import torch
 
     threads = torch.get_num_threads()

@@ -309,13 +309,15 @@ except OSError:
         "=HYPERLINK(evil)": (RIGHT, 5, "ok", "", ""),
         "<script>alert(1)</script>": (_attention(scale=""), 4, "slip", "unscaled", "unscaled"),
     }
-    # More correct and slipped students, as a class has: 60 and more rows in all.
-    for i in range(12):
+    # More correct and slipped students, as a class has: the same file and the same slip
+    # several times (the class page counts each slip's students). Each student is a
+    # sandboxed process, about a second apiece: more copies add time, not code paths.
+    for i in range(2):
         rows[f"student_{i:02d}"] = (RIGHT, 5, "ok", "", "")
     for i, (code, change) in enumerate(
-        [("unscaled", {"scale": ""}), ("mask-ignored", {"mask": "s"})] * 5
+        [("unscaled", {"scale": ""}), ("mask-ignored", {"mask": "s"})]
     ):
-        rows[f"student_{12 + i:02d}"] = (_attention(**change), 4, "slip", code, code)
+        rows[f"student_{2 + i:02d}"] = (_attention(**change), 4, "slip", code, code)
     return rows
 
 

@@ -94,9 +94,10 @@ def _run_autograder(root: Path, code: str) -> dict[str, Any]:
 def test_run_autograder_one_at_a_time_gives_the_parts_and_total_of_the_class(
     tmp_path: Path, class_json: dict[str, dict[str, Any]]
 ) -> None:
+    graded_alone = {}  # one run_autograder per student: a run is a process, seconds apiece
     for name, code in CLASS.items():
         student = name.removesuffix(".py")
-        alone = _run_autograder(tmp_path / "autograder", code)
+        alone = graded_alone[name] = _run_autograder(tmp_path / "autograder", code)
         in_class = class_json[student]
         check_gradescope_results(in_class)
         assert [t[0] for t in _tests(alone)] == PARTS, student
@@ -104,12 +105,12 @@ def test_run_autograder_one_at_a_time_gives_the_parts_and_total_of_the_class(
         assert alone["score"] == in_class["score"], student
         assert sum(t["max_score"] for t in alone["tests"]) == 5, student
     # the function without a mask argument: the mask part is the assignment's, at 0
-    alone = _run_autograder(tmp_path / "autograder", NO_MASK)
+    alone = graded_alone["no_mask.py"]
     mask = next(t for t in alone["tests"] if t["name"].startswith("mask"))
     assert (alone["score"], mask["score"]) == (4.0, 0.0)
     assert "does not take what this part needs (the mask argument)" in mask["output"]
     # a syntax error: every part of the assignment, each 0 with the reason
-    broken = _run_autograder(tmp_path / "autograder", CLASS["broken.py"])
+    broken = graded_alone["broken.py"]
     assert [t["score"] for t in broken["tests"]] == [0.0] * 5
     assert all("SyntaxError" in t["output"] or "syntax" in t["output"] for t in broken["tests"])
 
