@@ -19,7 +19,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["EditSite", "Editor", "active_editor", "editing"]
+__all__ = ["EditSite", "Editor", "active_editor", "editing", "known_context"]
 
 
 @dataclass(frozen=True)
@@ -76,3 +76,12 @@ def editing(editor: Editor | None) -> Iterator[None]:
 def active_editor() -> Editor | None:
     """The editor of the enclosing block, or None (one look at a list when none is open)."""
     return _editor.get() if _OPEN else None
+
+
+def known_context(module: object) -> Any:
+    """The context (B, H, Lq, Dv) the open block's editor already holds for this call of
+    ``module``, or None (then the caller runs the kernel). An editor that knows a call's
+    result without it (a sweep's patched layer, whose every batch row sees the inputs of a
+    run it kept) says so with a ``known(module)`` method."""
+    known = getattr(active_editor(), "known", None)
+    return None if known is None else known(module)

@@ -158,13 +158,18 @@ def _query_lengths(model: Any) -> tuple[list[int], Callable[[], None]]:
     ],
 )
 def test_a_causal_model_runs_only_the_positions_from_the_first_change(
-    family: str, dtype: torch.dtype, later: bool
+    family: str, dtype: torch.dtype, later: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = _family(family).to(dtype)
     shared, length = 3, int(IDS.shape[1])
     clean = {"input_ids": torch.cat([IDS[:, :shared], OTHER[:, shared:]], dim=1)}
     corrupt = {"input_ids": IDS}
     seen, stop = _query_lengths(model)
+    kernels: list[None] = []
+    run_call = qkv.hf._adapter.run_call
+    monkeypatch.setattr(
+        qkv.hf._adapter, "run_call", lambda *a, **k: kernels.append(None) or run_call(*a, **k)
+    )
     try:
         table = qkv.patching(model, clean, corrupt, _metric)
     finally:
@@ -172,6 +177,9 @@ def test_a_causal_model_runs_only_the_positions_from_the_first_change(
     layers = len(attention_modules(model))
     assert seen[: 2 * layers] == [length] * 2 * layers  # the clean and corrupt runs
     assert set(seen[2 * layers :]) == {length - shared if later else length}
+    # a batch's own layer sees the corrupt run's inputs, so its attention is that run's,
+    # kept (in a decoder): 2 runs of 2 layers, then layer 1 in layer 0's batch (bert: 3)
+    assert len(kernels) == 2 * layers + (3 if family == "bert" else 1)
     source = record(model, clean)
     _close(table.values, _per_head(model, corrupt, lambda i, h: patch(i, h, source)), dtype)
     flat = [v for row in table.values for v in row]

@@ -14,7 +14,8 @@ changes are the same in every run too (a cell's ``first``: where a patch's sourc
 differs from the run's own context, or the one position a position patch writes). A batch
 then runs only the positions from the batch's first on, with the first run's keys and
 values of the positions before as the model's own cache, and its logits of those positions
-in front of the new ones.
+in front of the new ones. There the batch's own layer runs no attention kernel: its input is
+the first run's, whose contexts were kept (``_RowEditor.known``).
 
 Which blocks finished before is seen, not assumed: the first run notes, in order, when each
 block ends and when each attention layer starts. A block whose output holds something other
@@ -293,6 +294,16 @@ class Reuse:
         found = differs.nonzero()
         return int(found[0, 0]) if len(found) else int(differs.shape[0])
 
+    def _start(self, start: int) -> int:
+        """The first position a batch asked to start at runs from: 0 without a cache."""
+        return min(start, self._length - 1) if self.cache is not None else 0
+
+    def context_of(self, layer: int, start: int, copies: int) -> Any:
+        """This run's context of ``layer`` from position ``start`` on, (copies·B, H, N −
+        start, Dv), or None where it was not kept (a causal language model's only)."""
+        held = self._contexts.get(layer)
+        return None if held is None else held[:, :, start:].repeat(copies, 1, 1, 1)
+
     def skipped(self, layer: int) -> list[str]:
         """The blocks whose kept output a batch of edits of ``layer`` reuses: those that
         ended before the layer's attention began (in the first run)."""
@@ -311,7 +322,8 @@ class Reuse:
         start = min(cell.first for cell in cells)
         if self.cache is not None and start >= self._length:  # no cell changes a position
             return [self.logits] * len(cells)
-        logits = self.forward(len(cells), first, _RowEditor(self, cells), start=start)
+        editor = _RowEditor(self, cells, first, self._start(start))
+        logits = self.forward(len(cells), first, editor, start=start)
         return [logits[i * self.batch : (i + 1) * self.batch] for i in range(len(cells))]
 
     def forward(
@@ -327,7 +339,7 @@ class Reuse:
         ``first`` began, and (with :attr:`cache`) the positions before ``start``. Returns
         the logits (copies·B, ...), or None when a hook raised :class:`Stop`."""
         torch = require("torch", feature="qkv.patching", extra="torch")
-        start = min(start, self._length - 1) if self.cache is not None else 0
+        start = self._start(start)
         tiled = torch.arange(self.batch).repeat(copies)
         extra: dict[str, Any] = {}
         if start > 0:
@@ -399,13 +411,21 @@ class _RowEditor:
     """The editor of a batched run: cell i writes its head's slice of rows i·B to (i+1)·B
     (after the edits of an enclosing ``qkv.intervene`` block)."""
 
-    def __init__(self, reuse: Reuse, cells: list[Cell]) -> None:
+    def __init__(self, reuse: Reuse, cells: list[Cell], first: int, start: int) -> None:
+        self.reuse, self.first, self.start = reuse, first, start
         self.batch, self.outer, self.where = reuse.batch, reuse.outer, reuse.where
         self.index = {id(m): i for i, m in enumerate(reuse.layers.modules)}
         self.cells: dict[int, list[tuple[int, Cell]]] = {}
         for row, cell in enumerate(cells):
             self.cells.setdefault(cell.layer, []).append((row, cell))
         self.copies = len(cells)
+
+    def known(self, module: object) -> Any:
+        """The context of the batch's first layer: every row's input there is the kept
+        run's (the blocks below are reused), so its attention is that run's."""
+        if self.index.get(id(module)) != self.first:
+            return None
+        return self.reuse.context_of(self.first, self.start, self.copies)
 
     def __call__(self, site: EditSite) -> tuple[Any, Any]:
         context, weights = (site.context, site.weights) if self.outer is None else self.outer(site)

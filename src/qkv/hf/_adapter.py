@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
-from qkv._edit_point import EditSite, active_editor
+from qkv._edit_point import EditSite, active_editor, known_context
 from qkv._extras import require
 from qkv.attention._dispatch import make_call, run_call, weight_rows
 from qkv.masks import softcap as softcap_mod
@@ -357,18 +357,23 @@ def _run(
     if counter is not None:
         counter[0] += 1
     weights = _wants_weights()
+    trace = current_trace()
+    known = None if weights or trace is not None else known_context(module)
 
     def attend(formulas: dict[str, str] | None = None) -> Any:
-        call = make_call(
-            query,
-            key,
-            value,
-            enable_gqa=query.shape[1] != key.shape[1],
-            return_weights=weights,
-            formulas=formulas,
-            **options,
-        )
-        context, formed = run_call(call, rows_only=True)
+        if known is not None:  # the editor holds this call's result: no kernel
+            context, formed = known, None
+        else:
+            call = make_call(
+                query,
+                key,
+                value,
+                enable_gqa=query.shape[1] != key.shape[1],
+                return_weights=weights,
+                formulas=formulas,
+                **options,
+            )
+            context, formed = run_call(call, rows_only=True)
         editor = active_editor()
         if editor is not None:
             gqa = query.shape[1] != key.shape[1]
@@ -382,7 +387,6 @@ def _run(
             context, formed = editor(site)
         return (context, formed) if weights else context
 
-    trace = current_trace()
     if trace is None:
         return attend()
     name = trace.layer_name(module)
