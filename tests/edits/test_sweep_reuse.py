@@ -23,6 +23,7 @@ import torch
 import qkv
 from qkv.edits import _sweep as sweep_module
 from qkv.edits import ablate, ablation_sweep, patch, position_patching, record, scale
+from qkv.hf import _adapter as hf_adapter
 from qkv.hf import attention_modules
 from tests.edits.test_intervene_hf import _cast, _model, _source_inputs
 from tests.edits.test_intervene_nn import Tiny
@@ -166,10 +167,13 @@ def test_a_causal_model_runs_only_the_positions_from_the_first_change(
     corrupt = {"input_ids": IDS}
     seen, stop = _query_lengths(model)
     kernels: list[None] = []
-    run_call = qkv.hf._adapter.run_call
-    monkeypatch.setattr(
-        qkv.hf._adapter, "run_call", lambda *a, **k: kernels.append(None) or run_call(*a, **k)
-    )
+    run_call = vars(hf_adapter)["run_call"]
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        kernels.append(None)
+        return run_call(*args, **kwargs)
+
+    monkeypatch.setattr(hf_adapter, "run_call", counting)
     try:
         table = qkv.patching(model, clean, corrupt, _metric)
     finally:
