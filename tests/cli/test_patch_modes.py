@@ -206,7 +206,7 @@ def test_mistakes_are_one_line_and_exit_2(
 def test_a_batch_that_does_not_fit_is_said_in_the_commands_words(
     flip: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("qkv.edits._sweep.available_memory", lambda: 20_000)
+    monkeypatch.setattr("qkv.edits._batching.available_memory", lambda: 20_000)
     for mode in (["--by", "position"], ["--by", "path", "--receiver", "1.0"]):
         assert _status(_patch(flip, *mode, "--batch", "64")) == 2
         err = capsys.readouterr().err

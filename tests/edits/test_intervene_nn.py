@@ -25,15 +25,16 @@ OTHER = torch.tensor([[3, 3, 1, 8, 2, 9, 9], [7, 0, 5, 5, 6, 1, 2]])
 
 
 class Tiny(torch.nn.Module):
-    """Embedding, two pre-norm blocks (GQA, RoPE, causal), a linear head."""
+    """Embedding, ``layers`` pre-norm blocks (GQA, RoPE, causal), a linear head; weights
+    from ``seed``."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: int = 2, seed: int = 0) -> None:
         super().__init__()
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         self.embed = torch.nn.Embedding(10, 16)
         self.blocks = torch.nn.ModuleList(
             qkv.nn.TransformerBlock(16, num_heads=4, num_kv_heads=2, positional="rope")
-            for _ in range(2)
+            for _ in range(layers)
         )
         self.head = torch.nn.Linear(16, 10)
 

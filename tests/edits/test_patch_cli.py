@@ -149,7 +149,7 @@ def test_batch_runs_heads_together_and_a_batch_too_large_is_refused(
     )
     assert _status(_patch(folder, "--answer", "mat", "--batch", "0")) == 2
     assert "argument --batch: expected a positive integer, got '0'" in capsys.readouterr().err
-    monkeypatch.setattr("qkv.edits._sweep.available_memory", lambda: 20_000)
+    monkeypatch.setattr("qkv.edits._batching.available_memory", lambda: 20_000)
     assert _status(_patch(folder, "--answer", "mat", "--batch", "64")) == 2
     err = capsys.readouterr().err
     assert err.startswith("qkv: error: --batch 64: a batch of 4 rows needs about ")

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.edits import _sweep as sweep_module
+from qkv.edits import _batching as batching
 from qkv.edits import ablate, ablation_sweep, patch, position_patching, record, scale
 from qkv.hf import _adapter as hf_adapter
 from qkv.hf import attention_modules
@@ -87,15 +87,16 @@ def test_patching_equals_one_forward_per_head_on_every_family(
     assert max(abs(v - table.corrupt) for v in flat) > 3 * TOLERANCE[dtype]  # it can fail
 
 
-def _attention_calls(model: Any) -> tuple[list[tuple[int, int]], Callable[[], None]]:
-    """(layer, batch) of every attention module call, and the function that stops counting."""
-    seen: list[tuple[int, int]] = []
+def _attention_calls(model: Any) -> tuple[list[tuple[int, int, int]], Callable[[], None]]:
+    """(layer, batch, query positions) of every attention module call, and the function
+    that stops counting."""
+    seen: list[tuple[int, int, int]] = []
     handles = []
     for index, (_, module) in enumerate(attention_modules(model)):
 
         def hook(_: Any, args: Any, kwargs: Any, index: int = index) -> None:
             hidden = args[0] if args else kwargs["hidden_states"]
-            seen.append((index, int(hidden.shape[0])))
+            seen.append((index, int(hidden.shape[0]), int(hidden.shape[1])))
 
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
 
@@ -116,33 +117,14 @@ def test_only_the_layers_above_run_one_head_per_batch_row() -> None:
         stop()
     # the clean run, the corrupt run (batch 2 each); layer 0's 4 heads: layers 0 and 1 on
     # 4 copies of the batch; layer 1's: layer 1 only (layer 0's block is reused)
-    assert seen == [(0, 2), (1, 2), (0, 2), (1, 2), (0, 8), (1, 8), (1, 8)]
+    assert [call[:2] for call in seen] == [(0, 2), (1, 2), (0, 2), (1, 2), (0, 8), (1, 8), (1, 8)]
     seen, stop = _attention_calls(model)
     try:
         small = qkv.patching(model, clean, corrupt, _metric, batch=3)
     finally:
         stop()
-    assert seen[4:] == [(0, 6), (1, 6), (0, 2), (1, 2), (1, 6), (1, 2)]
+    assert [call[:2] for call in seen[4:]] == [(0, 6), (1, 6), (0, 2), (1, 2), (1, 6), (1, 2)]
     _close(small.values, qkv.patching(model, clean, corrupt, _metric).values, torch.float32)
-
-
-def _query_lengths(model: Any) -> tuple[list[int], Callable[[], None]]:
-    """The query positions of every attention module call, and the function that stops."""
-    seen: list[int] = []
-
-    def hook(_: Any, args: Any, kwargs: Any) -> None:
-        seen.append(int((args[0] if args else kwargs["hidden_states"]).shape[1]))
-
-    handles = [
-        module.register_forward_pre_hook(hook, with_kwargs=True)
-        for _, module in attention_modules(model)
-    ]
-
-    def stop() -> None:
-        for handle in handles:
-            handle.remove()
-
-    return seen, stop
 
 
 # clean and corrupt prompts of one template agree on their first tokens; a causal model's
@@ -165,7 +147,7 @@ def test_a_causal_model_runs_only_the_positions_from_the_first_change(
     shared, length = 3, int(IDS.shape[1])
     clean = {"input_ids": torch.cat([IDS[:, :shared], OTHER[:, shared:]], dim=1)}
     corrupt = {"input_ids": IDS}
-    seen, stop = _query_lengths(model)
+    calls, stop = _attention_calls(model)
     kernels: list[None] = []
     run_call = vars(hf_adapter)["run_call"]
 
@@ -179,6 +161,7 @@ def test_a_causal_model_runs_only_the_positions_from_the_first_change(
     finally:
         stop()
     layers = len(attention_modules(model))
+    seen = [positions for *_, positions in calls]
     assert seen[: 2 * layers] == [length] * 2 * layers  # the clean and corrupt runs
     assert set(seen[2 * layers :]) == {length - shared if later else length}
     # a batch's own layer sees the corrupt run's inputs, so its attention is that run's,
@@ -192,11 +175,12 @@ def test_a_causal_model_runs_only_the_positions_from_the_first_change(
         return
     # by position: a patch before the first change writes what is there (no run), and each
     # batch of one position runs from it
-    seen, stop = _query_lengths(model)
+    calls, stop = _attention_calls(model)
     try:
         by_position = position_patching(model, clean, corrupt, _metric, positions=[1, 3, 6])
     finally:
         stop()
+    seen = [positions for *_, positions in calls]
     assert sorted(set(seen[2 * layers :])) == [1, length - shared]
     blocks = model.layers if family != "gpt2" else model.h
     outs = [b.self_attn.o_proj if family != "gpt2" else b.attn.c_proj for b in blocks]
@@ -338,7 +322,7 @@ def test_batch_and_memory_are_checked_before_the_sweep_runs(
     model = Tiny().eval()
     with pytest.raises(TypeError, match=r"batch must be a positive integer .* got 0\. Hint"):
         qkv.patching(model, OTHER, IDS, _metric, batch=0)
-    monkeypatch.setattr(sweep_module, "available_memory", lambda: 60_000)
+    monkeypatch.setattr(batching, "available_memory", lambda: 60_000)
     message = (
         r"^patching\(model, clean, corrupt, metric\): a batch of 4 rows needs about "
         r"[\d.]+ kB \([\d.]+ kB a row: logits, activations, scores and cache\), more than "
@@ -346,7 +330,7 @@ def test_batch_and_memory_are_checked_before_the_sweep_runs(
     )
     with pytest.raises(ValueError, match=message):
         qkv.patching(model, OTHER, IDS, _metric, batch=8)
-    monkeypatch.setattr(sweep_module, "available_memory", lambda: 100)
+    monkeypatch.setattr(batching, "available_memory", lambda: 100)
     with pytest.raises(ValueError, match="Hint: fewer tokens, or a smaller model"):
         ablation_sweep(model, IDS, _metric)
 
@@ -356,7 +340,7 @@ def test_progress_shows_a_bar_and_changes_nothing(monkeypatch: pytest.MonkeyPatc
     plain = qkv.patching(model, OTHER, IDS, _metric, batch=3)
     bars: list[tuple[bool, int, str]] = []
     steps: list[int] = []
-    original = sweep_module.bar
+    original = batching.bar
 
     @contextmanager
     def counted(enabled: bool, total: int, title: str) -> Iterator[Callable[[int], None]]:
@@ -455,27 +439,6 @@ def _path_by_hand(
     return table
 
 
-class Tiny3(torch.nn.Module):
-    """Three qkv.nn blocks (GQA, RoPE, causal) between an embedding and a linear head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(1)
-        self.embed = torch.nn.Embedding(10, 16)
-        self.blocks = torch.nn.ModuleList(
-            qkv.nn.TransformerBlock(16, num_heads=4, num_kv_heads=2, positional="rope")
-            for _ in range(3)
-        )
-        self.head = torch.nn.Linear(16, 10)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x, is_causal=True)
-        out: torch.Tensor = self.head(x)
-        return out
-
-
 # the corrupt prompt's first two tokens, then others: the senders' batches start at 2
 _SHARING = torch.cat([IDS[:, :2] + 20, OTHER[:, 2:]], dim=1)
 
@@ -490,7 +453,7 @@ def _three_layers(family: str, dtype: torch.dtype) -> tuple[Any, Any, Any, Calla
     clean: Any
     corrupt: Any
     if family == "qkv.nn":
-        model: Any = Tiny3()
+        model: Any = Tiny(layers=3, seed=1)
         attns = [b.attn for b in model.blocks]
         outs, names, fused = [a.out_proj for a in attns], ("q_proj", "k_proj", "v_proj"), False
         clean, corrupt, width, group = OTHER[:, :5], IDS[:, :5], 4, 2

@@ -16,12 +16,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from qkv.edits._batching import bar, check_batch
 from qkv.edits._intervene import _by_layer
 from qkv.edits._model import Layers, layers_of
 from qkv.edits._paths import THROUGH, sender_rows
 from qkv.edits._record import record
 from qkv.edits._specs import Edit, Recording, Target, ablate, check_layer, patch
-from qkv.edits._sweep import Cell, Reuse, bar, check_batch
+from qkv.edits._sweep import Cell, Reuse
 
 __all__ = [
     "BARELY",
