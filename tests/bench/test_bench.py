@@ -93,35 +93,31 @@ def test_bench_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "invalid choice" in capsys.readouterr().err
 
 
-def test_a_small_run_prints_tables_that_fit_80_columns(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(_suite.Settings, "quick_run", classmethod(lambda cls: TINY))
-    sections = ["dense", "masks-bwd", "train", "trace", "decode"]
-    assert main(["bench", "--quick", "--only", *sections, "--no-write"]) == 0
-    out = capsys.readouterr().out
-    assert "Dense and causal forward" in out and "sdpa-flash" in out and "decode" in out
-    assert "qkv-auto (" in out and "naive-torch" in out  # which backend auto ran
-    assert "Training step" in out and "torch-mha-mask" in out and "qkv-padded" in out
-    assert max(len(line) for line in out.splitlines()) <= 80
-
-
 @pytest.mark.slow
-def test_a_full_small_run_writes_the_page_and_plots(
+def test_a_full_small_run_prints_80_columns_and_writes_the_page_and_plots(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Every default section at tiny sizes, in one run: what it prints (80 columns, the
+    backend auto ran, the training step's peers) and the page and plots it writes. (One
+    run for both: a second, of some sections only, added ten seconds and no code path.)"""
     monkeypatch.setattr(_suite.Settings, "quick_run", classmethod(lambda cls: TINY))
     # One structured mask: each case starts five processes (one times its peers, one
     # measures each peer's memory), seconds apiece; the others add time, not coverage.
     monkeypatch.setattr(_suite, "MASK_KINDS", ("window",))
     page = tmp_path / "benchmarks.md"
     assert main(["bench", "--quick", "--output", str(page)]) == 0
+    printed = capsys.readouterr()
+    out = printed.out
+    assert "Dense and causal forward" in out and "sdpa-flash" in out and "decode" in out
+    assert "qkv-auto (" in out and "naive-torch" in out  # which backend auto ran
+    assert "Training step" in out and "torch-mha-mask" in out and "qkv-padded" in out
+    assert max(len(line) for line in out.splitlines()) <= 80
     text = page.read_text(encoding="utf-8")
     for title in ("Structured masks", "Forward + backward", "One decoding step", "Targets"):
         assert title in text
     assert "flex-compiled" in text and "compile s" in text
     assert (tmp_path / "img" / "bench-masks.png").exists()
-    assert "wrote" in capsys.readouterr().err
+    assert "wrote" in printed.err
 
 
 def test_peak_memory_sees_a_tensor_allocated_and_freed() -> None:

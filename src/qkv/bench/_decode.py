@@ -38,6 +38,7 @@ from qkv.bench._measure import (
 from qkv.bench._results import Row, Settings, Table
 from qkv.flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 from qkv.kernels._compiled_forward import REPEATS
+from qkv.kernels._native import library, why_not
 from qkv.nn import KVCache
 
 __all__ = [
@@ -198,6 +199,8 @@ def gqa_rows(length: int, repeats: int, *, flex: bool) -> list[Row]:
         if name == "flex-compiled-paged":
             row.compile_seconds = compile_seconds
             row.note = "" if seconds is not None else failure
+        elif name.startswith("split-kv") and library("_decode") is None:
+            row.note = f"PyTorch's path, no C kernel: {why_not('_decode')[:50]}"
         rows.append(row)
     return rows
 

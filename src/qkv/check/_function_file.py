@@ -47,6 +47,7 @@ from qkv.check._function_run import (
     raised as raised_text,
 )
 from qkv.check._sandbox import STARTUP_SECONDS, Finished, Limits, Sandbox, cpu_seconds, start
+from qkv.check._student_file import MAX_SOURCE_BYTES
 
 __all__ = [
     "MAX_TIMEOUT",
@@ -461,7 +462,10 @@ def run_file(
     shown = student_text(target)
     limits = Limits()
     folder = path.resolve().parent
-    with start(timeout=timeout, isolation=isolation, readable=[folder], limits=limits) as box:
+    torch = bool(adapt) or flash_probes is not None or array == "torch" or _mentions_torch(path)
+    with start(
+        timeout=timeout, isolation=isolation, readable=[folder], limits=limits, torch=torch
+    ) as box:
         loading = "loading the file" + (" and driving the class" if adapt else "")
         judge = _Judge(box, timeout, loading)
         try:
@@ -481,6 +485,16 @@ def run_file(
             raise FunctionError(_stopped(stop.error, box, judge, shown, path, limits)) from None
         except _Unsendable as bug:
             raise RuntimeError(str(bug)) from None
+
+
+def _mentions_torch(path: Path) -> bool:
+    """Whether the student's file names torch (its process then imports torch before the
+    student's time starts; a NumPy file is spared 1.5 s of start-up)."""
+    try:
+        with path.open("rb") as file:
+            return b"torch" in file.read(MAX_SOURCE_BYTES + 1)  # the rest is refused
+    except OSError:
+        return True  # the load will say what is wrong with the file
 
 
 def _judge(

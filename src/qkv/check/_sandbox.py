@@ -156,12 +156,15 @@ def start(
     isolation: str = "auto",
     readable: Sequence[Path] = (),
     limits: Limits = Limits(),
+    torch: bool = True,
 ) -> Iterator[Sandbox]:
     """Start the student's process (the runner of :data:`_RUNNER`) in the sandbox; end it,
     and everything it started, when the block ends. The keeper's hard limit is the start-up
     bound plus ``timeout`` (qkv measures the student's time itself). ``readable`` lists the
     folders it must read (the student's); nothing else outside the system and Python is
-    visible.
+    visible. With ``torch``, the runner imports torch before it says it is ready (about
+    1.5 s, not counted in the student's time); without, a student's code that imports it
+    pays for it.
 
     Raises:
         IsolationError: ``isolation`` is not one of :data:`ISOLATIONS`, or that level is not
@@ -175,13 +178,14 @@ def start(
         limit = STARTUP_SECONDS + timeout
         command = [
             sys.executable, "-I", str(runner / _RUNNER[0]), "{requests}", "{replies}",
+            "torch" if torch else "-",
         ]  # fmt: skip
         with _files(tmp) as (out, err):
             child_in, requests = os.pipe()
             replies, child_out = os.pipe()
             opened = [child_in, requests, replies, child_out]
             try:
-                command[-2:] = [str(child_in), str(child_out)]
+                command[-3:-1] = [str(child_in), str(child_out)]
                 plan = _root_plan(tmp / "root", work, [runner, *readable])
                 spec = {
                     "command": command,

@@ -15,7 +15,8 @@ One message is one line of JSON (the header), then the raw bytes of the arrays i
 value in ``args`` or ``kwargs`` is a JSON scalar, ``{"float": "nan"}`` for a number JSON
 cannot write, or ``{"array": I, "library": "numpy" | "torch"}``.
 
-- start: this process imports NumPy and torch, then sends ``{"ready": true}``;
+- start: this process imports NumPy (and torch when ``argv[3]`` is ``torch``), then sends
+  ``{"ready": true}``;
 - ``{"op": "load", "path", "name", "adapt", "causal"}``: run the file statement by
   statement, take ``name`` (with ``adapt``, the class driven by ``_module_adapt``). Reply
   ``{"params": [...], "fields": {...}, "file_error": ...}`` or ``{"error": "file" |
@@ -362,7 +363,8 @@ def _flash(fn: Any, request: dict[str, Any], arrays: list[Any]) -> tuple[dict[st
 
 def main(argv: list[str]) -> None:
     """Serve the judge on the pipes ``argv[1]`` (requests) and ``argv[2]`` (replies), then
-    end at once (the student's threads and exit hooks must not keep the process alive)."""
+    end at once (the student's threads and exit hooks must not keep the process alive);
+    ``argv[3]`` = ``torch``: import torch before saying ready."""
     requests_fd, replies_fd = int(argv[1]), int(argv[2])
     for fd in (requests_fd, replies_fd):
         os.set_inheritable(fd, False)  # nothing the student's code starts inherits them
@@ -371,8 +373,9 @@ def main(argv: list[str]) -> None:
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
     import numpy  # noqa: F401  (imported before 'ready': the time counts the student's code only)
 
-    with contextlib.suppress(Exception):  # not installed, or broken: the student hears so
-        import torch  # noqa: F401
+    if argv[3:4] == ["torch"]:  # the student's code will want it: its import is not theirs
+        with contextlib.suppress(Exception):  # not installed, or broken: the student hears so
+            import torch  # noqa: F401
     # the neighbours, by their plain names, before the student's folder goes on the path
     _student_file = importlib.import_module("_student_file")
 

@@ -5,19 +5,25 @@ heads (G = H / Hkv query heads share one), D head dim, Dv value head dim, S cach
 positions, P partitions of the keys, c keys per partition.
 
 A decode step reads the whole cache for a handful of query rows: it is bound by memory,
-not arithmetic. Each row's keys are cut into partitions of about 16 MiB of K and V; each
-partition ``p`` gives, for every query row, its scores' maximum ``m_p``, the sum of their
-exponentials ``l_p`` and the unnormalised context ``o_p = Σ_j exp(s_j − m_p)·v_j`` (two
-batched matrix products over the Hkv heads, the G query heads of a group and the Lq tokens
-sharing each key read). The partitions run as tasks on the kernel's threads
-(:mod:`qkv.kernels._threads`: PyTorch's, or a pool of its own on a busy machine), and each
-row's partitions are merged by their log-sum-exps::
+not arithmetic. Each row's keys are cut into partitions; each partition ``p`` gives, for
+every query row, its scores' maximum ``m_p``, the sum of their exponentials ``l_p`` and the
+unnormalised context ``o_p = Σ_j exp(s_j − m_p)·v_j`` (the G query heads of a group and the
+Lq tokens share each key read), and each row's partitions are merged by their
+log-sum-exps::
 
     M = max_p m_p      out = Σ_p exp(m_p − M)·o_p / Σ_p exp(m_p − M)·l_p
     lse = M + log Σ_p exp(m_p − M)·l_p
 
 which is the softmax over all keys exactly (the same algebra as the tiled kernel's rescaling;
 Dao, Haziza, Massa, Sizov 2023, "Flash-Decoding for long-context inference").
+
+Two paths compute it. For float32 on the CPU with at most :data:`_STREAMED_ROWS` query rows
+per key/value head, the C kernel ``_decode.c`` (built by :mod:`qkv.kernels._native`) streams
+each position's keys and values once, all heads together, on ``torch.get_num_threads()``
+threads: BLAS runs products with 4 rows far below the memory's speed. Otherwise (other
+dtypes, devices or sizes, or no C compiler), each partition of about 16 MiB is two batched
+matrix products over the Hkv heads, run as tasks on the kernel's threads
+(:mod:`qkv.kernels._threads`).
 
 The cache is read where it lies, in flash-attn's layout: a contiguous cache (B, S, Hkv, D)
 (or rows of a larger one), or a paged one (num_blocks, block_size, Hkv, D) with a block
@@ -29,19 +35,24 @@ pages, NaN) never reaches its output.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import torch
 
+from qkv.kernels._native import library
 from qkv.kernels._threads import call_threads, run_tasks
 
 __all__ = ["Segment", "decode_attention", "partition_keys", "runs_of_pages", "segments"]
 
 _PARTITION_BYTES = 16 << 20  # keys + values one partition reads: few calls, still cached
 _VIEW_BYTES = 256 << 10  # pages at least this big are read one run at a time, not gathered
+_STREAMED_ROWS = 32  # query rows per head (G·Lq) up to which the C kernel runs; more: BLAS
+_STREAMED_CHUNK = 256  # the C kernel's smallest partition
 
 
 def partition_keys(kv_heads: int, dim: int, itemsize: int, block: int = 1) -> int:
@@ -137,9 +148,10 @@ def decode_attention(
         inputs, float64 for float64), and lse (B, H, Lq) in the compute dtype (−inf for a
         row without keys, whose output is 0), or None without ``return_lse``.
 
-    Each row reads only its own keys: a contiguous cache through views, a paged one through
-    views of runs of consecutive pages when pages hold 256 KiB or more of K and V (smaller
-    pages out of order are gathered, one partition at a time: fewer, larger products).
+    Each row reads only its own keys. The C kernel reads pages through the table where they
+    lie; PyTorch's path reads a contiguous cache through views, and a paged one through views
+    of runs of consecutive pages when pages hold 256 KiB or more of K and V (smaller pages
+    out of order are gathered, one partition at a time: fewer, larger products).
     The caller checks the arguments (``qkv.flash_attn.flash_attn_with_kvcache`` and
     ``qkv.nn.PagedKVCache`` do): the positions must lie inside the cache.
 
@@ -157,10 +169,42 @@ def decode_attention(
     kv_heads, dim_v = int(k.shape[2]), int(v.shape[3])
     group = heads // kv_heads
     size = int(k.shape[1]) * (1 if block_table is None else int(block_table.shape[1]))
-    block = size if block_table is None else int(k.shape[1])
     ends = [size] * batch if ends is None else ends
     starts = [0] * batch if starts is None else starts
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = dim**-0.5 if scale is None else scale
+    # (B, Hkv, G·Lq, D): the G query heads of a group and their Lq tokens share each key read
+    qg = (q.to(compute) * scale).view(batch, lq, kv_heads, group, dim)
+    qg = qg.permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * lq, dim)
+    cache = _Cache(k, v, ends, starts, rows, block_table, causal, lq, partition)
+    streamed = _streamed(qg, cache)
+    out, lse = streamed if streamed is not None else _in_products(qg, cache)
+    out = out.view(batch, kv_heads, group, lq, dim_v).permute(0, 3, 1, 2, 4)
+    out = out.reshape(batch, lq, heads, dim_v).to(q.dtype)
+    return out, (lse.view(batch, heads, lq) if return_lse else None)
+
+
+class _Cache(NamedTuple):
+    """What :func:`decode_attention` reads, as it was given (see its arguments)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    ends: list[int]
+    starts: list[int]
+    rows: list[int] | None
+    block_table: torch.Tensor | None
+    causal: bool
+    lq: int
+    partition: int | None
+
+
+def _in_products(qg: torch.Tensor, c: _Cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch's path: each partition is two batched matrix products. qg: (B, Hkv, G·Lq,
+    D), scaled; returns the context (B, Hkv, G·Lq, Dv) and log-sum-exp (B, Hkv, G·Lq, 1)."""
+    k, v, ends, starts, rows, block_table, causal, lq, partition = c
+    batch, kv_heads, rows_per_head, dim = (int(n) for n in qg.shape)
+    dim_v, compute, group = int(v.shape[3]), qg.dtype, rows_per_head // lq
+    block = int(k.shape[1])  # a page, or a contiguous cache's whole row
     if partition is None:
         itemsize = torch.finfo(compute).bits // 8
         partition = partition_keys(kv_heads, max(dim, dim_v), itemsize, block)
@@ -172,16 +216,12 @@ def decode_attention(
         and block * kv_heads * (dim + dim_v) * k.element_size() >= _VIEW_BYTES
     ):
         plan = runs_of_pages(plan, block_table.tolist(), block)  # big pages: read in place
-    scale = dim**-0.5 if scale is None else scale
-    # (B, Hkv, G·Lq, D): the G query heads of a group and their Lq tokens share each key read
-    qg = (q.to(compute) * scale).view(batch, lq, kv_heads, group, dim)
-    qg = qg.permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * lq, dim)
     fetch = _fetcher(k, v, block_table, rows)
-    shape = (len(plan), kv_heads, group * lq)
-    maxima = q.new_full((*shape, 1), -math.inf, dtype=compute)
-    sums = q.new_zeros((*shape, 1), dtype=compute)
-    parts = q.new_zeros((*shape, dim_v), dtype=compute)
-    steps = torch.arange(lq, device=q.device)[:, None] - lq  # query i sits at ends − Lq + i
+    shape = (len(plan), kv_heads, rows_per_head)
+    maxima = qg.new_full((*shape, 1), -math.inf)
+    sums = qg.new_zeros((*shape, 1))
+    parts = qg.new_zeros((*shape, dim_v))
+    steps = torch.arange(lq, device=qg.device)[:, None] - lq  # query i sits at ends − Lq + i
 
     def task(t: int) -> None:
         seg = plan[t]
@@ -190,7 +230,7 @@ def decode_attention(
         end = ends[seg.row]
         top = maxima[t]  # (Hkv, G·Lq, 1), written in place, as are sums[t] and parts[t]
         if causal and seg.hi > end - lq + 1:  # some query does not see every key here
-            j = torch.arange(seg.lo, seg.hi, device=q.device)
+            j = torch.arange(seg.lo, seg.hi, device=qg.device)
             hidden = j > end + steps  # (Lq, c)
             scores.view(kv_heads, group, lq, -1).masked_fill_(hidden, -math.inf)
             torch.amax(scores, dim=-1, keepdim=True, out=top)
@@ -201,15 +241,114 @@ def decode_attention(
         torch.sum(weights, dim=-1, keepdim=True, out=sums[t])
         torch.matmul(weights, values.to(compute).transpose(0, 1), out=parts[t])
 
-    with torch.no_grad(), call_threads(q.device.type == "cpu"):
+    on_cpu = qg.device.type == "cpu"
+    with torch.no_grad(), call_threads(on_cpu):
         tasks: list[Callable[[None], None]] = [
             partial(_skip_state, task, t) for t in range(len(plan))
         ]
-        run_tasks(tasks, lambda: None, on_cpu=q.device.type == "cpu")
-        out, lse = _merge(plan, maxima, sums, parts, batch)
-    out = out.view(batch, kv_heads, group, lq, dim_v).permute(0, 3, 1, 2, 4)
-    out = out.reshape(batch, lq, heads, dim_v).to(q.dtype)
-    return out, (lse.view(batch, heads, lq) if return_lse else None)
+        run_tasks(tasks, lambda: None, on_cpu=on_cpu)
+        return _merge(plan, maxima, sums, parts, batch)
+
+
+class _Args(ctypes.Structure):
+    """``decode_args`` of ``_decode.c``: pointers, and sizes and strides in elements."""
+
+    _fields_ = (
+        [(name, ctypes.c_void_p) for name in ("q", "k", "v")]
+        + [
+            (name, ctypes.c_int64)
+            for name in ("k_row", "k_pos", "k_head", "v_row", "v_pos", "v_head")
+        ]
+        + [
+            ("rows", ctypes.c_void_p),
+            ("table", ctypes.c_void_p),
+        ]
+        + [(name, ctypes.c_int64) for name in ("pages_per_row", "block", "k_page", "v_page")]
+        + [
+            ("starts", ctypes.c_void_p),
+            ("ends", ctypes.c_void_p),
+        ]
+        + [
+            (name, ctypes.c_int64)
+            for name in (
+                "batch",
+                "heads",
+                "rows_per_head",
+                "lq",
+                "dim",
+                "dim_v",
+                "causal",
+                "partition",
+                "threads",
+            )
+        ]
+        + [("out", ctypes.c_void_p), ("lse", ctypes.c_void_p)]
+    )
+
+
+def _streamed(qg: torch.Tensor, c: _Cache) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The C kernel (``_decode.c``): each partition streams its keys and values once, all
+    heads of a position together. None where it does not apply (off the CPU, not float32,
+    more than :data:`_STREAMED_ROWS` query rows per head, no compiler): PyTorch's path then
+    runs. Same arguments and results as :func:`_in_products`."""
+    k, v, ends, starts, rows, block_table, causal, lq, partition = c
+    batch, kv_heads, rows_per_head, dim = (int(n) for n in qg.shape)
+    if (
+        qg.device.type != "cpu"
+        or rows_per_head > _STREAMED_ROWS
+        or not qg.dtype == k.dtype == v.dtype == torch.float32
+        or k.stride(-1) != 1
+        or v.stride(-1) != 1
+    ):
+        return None
+    lib = library("_decode")
+    if lib is None:
+        return None
+    threads = torch.get_num_threads()
+    if partition is None:  # a few tasks per thread, each long enough to stream
+        longest = max((e - s for s, e in zip(starts, ends, strict=True)), default=0)
+        share = -(-longest * batch // (2 * threads)) if longest else 1
+        partition = max(_STREAMED_CHUNK, 2 ** math.ceil(math.log2(max(1, share))))
+        partition = min(partition, partition_keys(kv_heads, dim, qg.element_size()))
+    dim_v = int(v.shape[3])
+    out = qg.new_empty((batch, kv_heads, rows_per_head, dim_v))
+    lse = qg.new_empty((batch, kv_heads, rows_per_head, 1))
+    index = partial(torch.tensor, dtype=torch.int64)
+    held = [qg.contiguous(), index(starts), index(ends)]  # alive until the call returns
+    args = _Args(
+        q=held[0].data_ptr(),
+        k=k.data_ptr(),
+        v=v.data_ptr(),
+        k_row=k.stride(0),
+        k_pos=k.stride(1),
+        k_head=k.stride(2),
+        v_row=v.stride(0),
+        v_pos=v.stride(1),
+        v_head=v.stride(2),
+        starts=held[1].data_ptr(),
+        ends=held[2].data_ptr(),
+        batch=batch,
+        heads=kv_heads,
+        rows_per_head=rows_per_head,
+        lq=lq,
+        dim=dim,
+        dim_v=dim_v,
+        causal=int(causal),
+        partition=partition,
+        threads=threads,
+        out=out.data_ptr(),
+        lse=lse.data_ptr(),
+    )
+    if rows is not None:
+        held.append(index(rows))
+        args.rows = held[-1].data_ptr()
+    if block_table is not None:
+        held.append(block_table.to(torch.int64).contiguous())
+        args.table, args.pages_per_row = held[-1].data_ptr(), int(block_table.shape[1])
+        args.block, args.k_page, args.v_page = int(k.shape[1]), k.stride(0), v.stride(0)
+    if lib.qkv_decode_f32(ctypes.byref(args)) != 0:
+        raise MemoryError("decode_attention: the C kernel could not allocate its buffers")
+    return out, lse
 
 
 def _merge(
