@@ -3,9 +3,9 @@
 Some loops cannot be written fast with PyTorch's operations: a decode step must stream the
 KV cache once, and a matrix product with 4 rows packs its operand and runs far below the
 memory's speed. Such a loop lives in a C file of this package (``_decode.c``). The first
-call builds it with ``cc -O3 -march=native`` into a cache folder (``QKV_CACHE_DIR``, else
-``$XDG_CACHE_HOME/qkv``, else ``~/.cache/qkv``), under a name that hashes the source, the
-flags, the compiler and the processor; later calls and processes load the built library.
+call builds it with ``cc -O3 -march=native`` into a cache folder (:func:`_cache_folder`:
+``~/.cache/qkv/native`` by default), under a name that hashes the source, the flags, the
+compiler and the processor; later calls and processes load the built library.
 
 Without a compiler, or with ``QKV_NATIVE=0``, :func:`library` returns None and the callers
 run their PyTorch path, which computes the same function (more slowly); :func:`why_not`
@@ -35,10 +35,12 @@ _reasons: dict[str, str] = {}
 
 
 def _cache_folder() -> Path:
-    chosen = os.environ.get("QKV_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME")
-    if chosen:
-        return Path(chosen) / ("native" if "QKV_CACHE_DIR" in os.environ else "qkv/native")
-    return Path.home() / ".cache" / "qkv" / "native"
+    """``$QKV_CACHE_DIR/native``, else ``$XDG_CACHE_HOME/qkv/native``, else
+    ``~/.cache/qkv/native``."""
+    own, shared = os.environ.get("QKV_CACHE_DIR"), os.environ.get("XDG_CACHE_HOME")
+    if own:
+        return Path(own) / "native"
+    return (Path(shared) if shared else Path.home() / ".cache") / "qkv" / "native"
 
 
 def _processor() -> str:
