@@ -33,9 +33,11 @@ def reference(
     ends: list[int],
     causal: bool,
     scale: float | None = None,
+    left: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention in float64, row by row: q (B, Lq, H, D), k/v (B, S, Hkv, D);
-    row b sees positions starts[b] ≤ j < ends[b] (and j ≤ ends[b] − Lq + i if causal).
+    row b sees positions starts[b] ≤ j < ends[b] (and j ≤ ends[b] − Lq + i if causal,
+    j ≥ ends[b] − Lq + i − left with a window).
     Returns out (B, Lq, H, Dv) and the natural log-sum-exp (B, H, Lq), −inf without keys."""
     batch, lq, heads, dim = q.shape
     group = heads // k.shape[2]
@@ -50,6 +52,8 @@ def reference(
         seen = (j >= starts[b]) & (j < ends[b])
         if causal:
             seen = seen & (j <= ends[b] - lq + i)
+        if left is not None:
+            seen = seen & (j >= ends[b] - lq + i - left)
         scores = scores.masked_fill(~seen, -math.inf)
         lse[b] = torch.logsumexp(scores, dim=-1)
         weights = torch.exp(scores - lse[b][..., None]).nan_to_num(0.0)

@@ -41,6 +41,7 @@ def _check(out: torch.Tensor, other: torch.Tensor, exact: torch.Tensor) -> None:
     against ``exact`` (float64), plus a few float32 roundings."""
     assert out.dtype == torch.float32 and out.shape == exact.shape
     base = (other.double() - exact).abs().max().item()
+    assert base <= 5e-5  # PyTorch's path is right too (its own tests hold it to 1e-12 in f64)
     assert (out.double() - exact).abs().max().item() <= 3 * base + 4e-6
 
 
@@ -206,3 +207,56 @@ def test_a_library_others_may_write_is_not_loaded(
         torch.testing.assert_close(out.double(), exact, rtol=0, atol=1e-5)
     finally:
         _native.library.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("lq", "causal", "left"),
+    [(1, True, 0), (1, False, 37), (4, True, 5), (4, False, 60), (3, True, 300)],
+)
+def test_a_window_on_the_left_in_both_paths(
+    lq: int, causal: bool, left: int, torch_path: Any
+) -> None:  # fmt: skip
+    """flash-attn's ``window_size=(left, 0 or -1)``: query i of row b sees keys from
+    ends[b] − Lq + i − left on; keys before every query's window are not read at all."""
+    gen = torch.Generator().manual_seed(15 + lq + left)
+    q = torch.randn(3, lq, 8, 32, generator=gen)
+    k, v = torch.randn(3, 400, 2, 32, generator=gen), torch.randn(3, 400, 2, 32, generator=gen)
+    starts, ends = [0, 20, 0], [400, 250, 30]
+    k[1, 20:50] = math.nan  # before row 1's window (when it is shorter than 200): never read
+    far = [e - lq - left for e in ends]
+    out, lse = decode_attention(
+        q, k, v, starts=starts, ends=ends, causal=causal, left=left, partition=64,
+        return_lse=True,
+    )  # fmt: skip
+    other, _ = torch_path(q, k, v, starts=starts, ends=ends, causal=causal, left=left, partition=64)
+    exact, exact_lse = reference(q, k.nan_to_num(), v, starts, ends, causal, left=left)
+    assert lse is not None
+    if far[1] < 50:  # the window reaches the NaN keys: the reference sees them as 0
+        exact = exact[[0, 2]]
+        out, other, lse, exact_lse = out[[0, 2]], other[[0, 2]], lse[[0, 2]], exact_lse[[0, 2]]
+    _check(out, other, exact)
+    torch.testing.assert_close(lse.double(), exact_lse, rtol=0, atol=2e-5)
+
+
+def test_flash_attn_with_kvcache_decodes_a_sliding_window_in_the_kernel(monkeypatch: Any) -> None:
+    """A Mistral-style decode step, window_size=(W − 1, 0), runs the split-KV kernel (it used
+    to take the general path) and equals the float64 reference."""
+    ran = []
+    real = _decode.decode_attention
+
+    def seen(*args: Any, **kwargs: Any) -> Any:
+        ran.append(kwargs.get("left"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("qkv.flash_attn._kvcache.decode_attention", seen)
+    gen = torch.Generator().manual_seed(16)
+    q, k, v = (
+        torch.randn(2, 1, 8, 64, generator=gen),
+        torch.randn(2, 500, 2, 64),
+        torch.randn(2, 500, 2, 64),
+    )
+    lengths = torch.tensor([500, 321], dtype=torch.int32)
+    out = flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True, window_size=(127, 0))
+    assert ran == [127]
+    exact, _ = reference(q, k, v, [0, 0], [500, 321], True, left=127)
+    torch.testing.assert_close(out.double(), exact, rtol=0, atol=2e-5)

@@ -215,7 +215,7 @@ def flash_attn_with_kvcache(
                 where_rows, slots = table.gather(1, slots // size), slots % size
             k_cache[where_rows, slots] = k.detach().to(k_cache.dtype)
             v_cache[where_rows, slots] = v.detach().to(v_cache.dtype)
-    if _decodes(q, k_cache, seqlen_q, left, right, softcap, alibi_slopes):
+    if _decodes(q, k_cache, seqlen_q, right, softcap, alibi_slopes):
         out, lse = decode_attention(
             q,
             k_cache,
@@ -226,6 +226,7 @@ def flash_attn_with_kvcache(
             block_table=table,
             scale=_scale(softmax_scale, dim),
             causal=right == 0,
+            left=left,
             return_lse=return_softmax_lse,
         )
         if lse is None:
@@ -266,17 +267,16 @@ def _decodes(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     seqlen_q: int,
-    left: int | None,
     right: int | None,
     softcap: Any,
     alibi_slopes: Any,
 ) -> bool:
-    """Whether the split-KV kernel runs the call: a decode step it computes exactly."""
+    """Whether the split-KV kernel runs the call: a decode step it computes exactly (keys
+    up to the query's own position or all of them, with or without a window on the left)."""
     grad = torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad)
     return (
         q.device.type == "cpu"
         and seqlen_q <= 16
-        and left is None
         and right in (None, 0)
         and not softcap
         and alibi_slopes is None

@@ -12,7 +12,8 @@
  * online softmax of the tiled kernel). `threads` threads share the tasks; each row's
  * segments are then merged by their log-sum-exps:
  *     M = max m_p,  out = Σ exp(m_p − M)·acc_p / Σ exp(m_p − M)·l_p,  lse = M + log Σ …
- * A causal query row sees keys j ≤ ends[b] − Lq + i. Nothing outside a row's keys is read.
+ * A causal query row sees keys j ≤ ends[b] − Lq + i, and with a window of `left` (≥ 0) keys
+ * j ≥ ends[b] − Lq + i − left. Nothing outside a row's keys is read.
  * Every product is computed, with no test on the weight, so a NaN in a key or value that a
  * row reads reaches its output, as in the reference.
  */
@@ -37,7 +38,7 @@ typedef struct {
     const int64_t *table;          /* (B, pages_per_row) page ids, or NULL: contiguous */
     int64_t pages_per_row, block, k_page, v_page; /* positions per page, page strides */
     const int64_t *starts, *ends;  /* (B) */
-    int64_t batch, heads, rows_per_head, lq, dim, dim_v, causal, partition, threads;
+    int64_t batch, heads, rows_per_head, lq, dim, dim_v, causal, left, partition, threads;
     float *out;                    /* (B, H, R, Dv), written */
     float *lse;                    /* (B, H, R), written: natural log, −inf without keys */
 } decode_args;
@@ -161,11 +162,12 @@ static void run_segment(const decode_args *a, const segment *sg, float *part, fl
                 }
         for (int64_t x = 0; x < HR; x++) /* up to whole vectors: weight 0 */
             for (int64_t t = n; t % W; t++) scores[x * CHUNK + t] = -INFINITY;
-        if (a->causal && c0 + n > end - a->lq + 1)
-            for (int64_t x = 0; x < HR; x++) {
-                const int64_t last = end - a->lq + (x % R) % a->lq;
+        if ((a->causal && c0 + n > end - a->lq + 1) || (a->left >= 0 && c0 < end - 1 - a->left))
+            for (int64_t x = 0; x < HR; x++) { /* row x is query i = (x % R) % Lq */
+                const int64_t at = end - a->lq + (x % R) % a->lq;
                 for (int64_t t = 0; t < n; t++)
-                    if (c0 + t > last) scores[x * CHUNK + t] = -INFINITY;
+                    if ((a->causal && c0 + t > at) || (a->left >= 0 && c0 + t < at - a->left))
+                        scores[x * CHUNK + t] = -INFINITY;
             }
         for (int64_t x = 0; x < HR; x++) {
             float *s = scores + x * CHUNK, top = m[x];

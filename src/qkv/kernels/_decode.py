@@ -122,6 +122,7 @@ def decode_attention(
     block_table: torch.Tensor | None = None,
     scale: float | None = None,
     causal: bool = False,
+    left: int | None = None,
     partition: int | None = None,
     return_lse: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -139,6 +140,8 @@ def decode_attention(
             ``j % block_size`` of page ``block_table[b, j // block_size]``.
         scale: the softmax scale (default 1/√D).
         causal: query i of row b sees keys up to ``ends[b] − Lq + i`` (bottom-right).
+        left: a window: query i of row b sees keys from ``ends[b] − Lq + i − left`` on
+            (flash-attn's ``window_size[0]``; None: no limit).
         partition: keys per partition (default :func:`partition_keys`; with a block table
             a multiple of the page size).
         return_lse: also return the log-sum-exp (natural log).
@@ -171,12 +174,14 @@ def decode_attention(
     size = int(k.shape[1]) * (1 if block_table is None else int(block_table.shape[1]))
     ends = [size] * batch if ends is None else ends
     starts = [0] * batch if starts is None else starts
+    if left is not None:  # no query sees a key before its window: such keys are not read
+        starts = [max(s, e - lq - left) for s, e in zip(starts, ends, strict=True)]
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     scale = dim**-0.5 if scale is None else scale
     # (B, Hkv, G·Lq, D): the G query heads of a group and their Lq tokens share each key read
     qg = (q.to(compute) * scale).view(batch, lq, kv_heads, group, dim)
     qg = qg.permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * lq, dim)
-    cache = _Cache(k, v, ends, starts, rows, block_table, causal, lq, partition)
+    cache = _Cache(k, v, ends, starts, rows, block_table, causal, left, lq, partition)
     streamed = _streamed(qg, cache)
     out, lse = streamed if streamed is not None else _in_products(qg, cache)
     out = out.view(batch, kv_heads, group, lq, dim_v).permute(0, 3, 1, 2, 4)
@@ -194,6 +199,7 @@ class _Cache(NamedTuple):
     rows: list[int] | None
     block_table: torch.Tensor | None
     causal: bool
+    left: int | None
     lq: int
     partition: int | None
 
@@ -201,7 +207,7 @@ class _Cache(NamedTuple):
 def _in_products(qg: torch.Tensor, c: _Cache) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch's path: each partition is two batched matrix products. qg: (B, Hkv, G·Lq,
     D), scaled; returns the context (B, Hkv, G·Lq, Dv) and log-sum-exp (B, Hkv, G·Lq, 1)."""
-    k, v, ends, starts, rows, block_table, causal, lq, partition = c
+    k, v, ends, starts, rows, block_table, causal, left, lq, partition = c
     batch, kv_heads, rows_per_head, dim = (int(n) for n in qg.shape)
     dim_v, compute, group = int(v.shape[3]), qg.dtype, rows_per_head // lq
     block = int(k.shape[1])  # a page, or a contiguous cache's whole row
@@ -229,9 +235,12 @@ def _in_products(qg: torch.Tensor, c: _Cache) -> tuple[torch.Tensor, torch.Tenso
         scores = torch.matmul(qg[seg.row], keys.to(compute).permute(1, 2, 0))  # (Hkv, G·Lq, c)
         end = ends[seg.row]
         top = maxima[t]  # (Hkv, G·Lq, 1), written in place, as are sums[t] and parts[t]
-        if causal and seg.hi > end - lq + 1:  # some query does not see every key here
+        # some query does not see every key here
+        if (causal and seg.hi > end - lq + 1) or (left is not None and seg.lo < end - 1 - left):
             j = torch.arange(seg.lo, seg.hi, device=qg.device)
-            hidden = j > end + steps  # (Lq, c)
+            hidden = (j > end + steps) if causal else torch.zeros_like(j, dtype=torch.bool)
+            if left is not None:
+                hidden = hidden | (j < end + steps - left)  # (Lq, c)
             scores.view(kv_heads, group, lq, -1).masked_fill_(hidden, -math.inf)
             torch.amax(scores, dim=-1, keepdim=True, out=top)
             top.masked_fill_(top == -math.inf, 0.0)  # a query with no key here: weights 0
@@ -278,6 +287,7 @@ class _Args(ctypes.Structure):
                 "dim",
                 "dim_v",
                 "causal",
+                "left",
                 "partition",
                 "threads",
             )
@@ -291,7 +301,7 @@ def _streamed(qg: torch.Tensor, c: _Cache) -> tuple[torch.Tensor, torch.Tensor] 
     heads of a position together. None where it does not apply (off the CPU, not float32,
     more than :data:`_STREAMED_ROWS` query rows per head, no compiler): PyTorch's path then
     runs. Same arguments and results as :func:`_in_products`."""
-    k, v, ends, starts, rows, block_table, causal, lq, partition = c
+    k, v, ends, starts, rows, block_table, causal, left, lq, partition = c
     batch, kv_heads, rows_per_head, dim = (int(n) for n in qg.shape)
     if (
         qg.device.type != "cpu"
@@ -334,6 +344,7 @@ def _streamed(qg: torch.Tensor, c: _Cache) -> tuple[torch.Tensor, torch.Tensor] 
         dim=dim,
         dim_v=dim_v,
         causal=int(causal),
+        left=-1 if left is None else left,
         partition=partition,
         threads=threads,
         out=out.data_ptr(),
