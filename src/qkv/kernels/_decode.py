@@ -259,41 +259,18 @@ def _in_products(qg: torch.Tensor, c: _Cache) -> tuple[torch.Tensor, torch.Tenso
         return _merge(plan, maxima, sums, parts, batch)
 
 
-class _Args(ctypes.Structure):
-    """``decode_args`` of ``_decode.c``: pointers, and sizes and strides in elements."""
+_ARGS = (  # the fields of decode_args in _decode.c, in its order
+    "q", "k", "v", "k_row", "k_pos", "k_head", "v_row", "v_pos", "v_head", "rows", "table",
+    "pages_per_row", "block", "k_page", "v_page", "starts", "ends", "batch", "heads",
+    "rows_per_head", "lq", "dim", "dim_v", "causal", "left", "partition", "threads", "out", "lse",
+)  # fmt: skip
+_POINTERS = {"q", "k", "v", "rows", "table", "starts", "ends", "out", "lse"}
 
-    _fields_ = (
-        [(name, ctypes.c_void_p) for name in ("q", "k", "v")]
-        + [
-            (name, ctypes.c_int64)
-            for name in ("k_row", "k_pos", "k_head", "v_row", "v_pos", "v_head")
-        ]
-        + [
-            ("rows", ctypes.c_void_p),
-            ("table", ctypes.c_void_p),
-        ]
-        + [(name, ctypes.c_int64) for name in ("pages_per_row", "block", "k_page", "v_page")]
-        + [
-            ("starts", ctypes.c_void_p),
-            ("ends", ctypes.c_void_p),
-        ]
-        + [
-            (name, ctypes.c_int64)
-            for name in (
-                "batch",
-                "heads",
-                "rows_per_head",
-                "lq",
-                "dim",
-                "dim_v",
-                "causal",
-                "left",
-                "partition",
-                "threads",
-            )
-        ]
-        + [("out", ctypes.c_void_p), ("lse", ctypes.c_void_p)]
-    )
+
+class _Args(ctypes.Structure):
+    """``decode_args`` of ``_decode.c``."""
+
+    _fields_ = [(n, ctypes.c_void_p if n in _POINTERS else ctypes.c_int64) for n in _ARGS]
 
 
 def _streamed(qg: torch.Tensor, c: _Cache) -> tuple[torch.Tensor, torch.Tensor] | None:
