@@ -8,6 +8,8 @@ and the check then reports the file's error instead of a verdict.
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -56,3 +58,14 @@ def test_a_file_names_torch_by_its_text(tmp_path: Path) -> None:
     named.write_text("import numpy as np  # torch.softmax would do too\n")
     assert not _mentions_torch(plain) and _mentions_torch(named)
     assert _mentions_torch(tmp_path / "missing.py")  # unreadable: assume it does
+
+
+def test_a_fifo_in_the_file_s_place_does_not_hold_the_judge(tmp_path: Path) -> None:
+    """Reading a FIFO blocks until someone writes: the look for torch must not."""
+    fifo = tmp_path / "student.py"
+    os.mkfifo(fifo)
+    answers: list[bool] = []
+    looker = threading.Thread(target=lambda: answers.append(_mentions_torch(fifo)), daemon=True)
+    looker.start()
+    looker.join(5)
+    assert answers == [True]  # not a regular file: the runner's load says what is wrong

@@ -11,6 +11,8 @@ the same computation done in float32 by another route (here PyTorch's path of
 from __future__ import annotations
 
 import math
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -260,3 +262,40 @@ def test_flash_attn_with_kvcache_decodes_a_sliding_window_in_the_kernel(monkeypa
     assert ran == [127]
     exact, _ = reference(q, k, v, [0, 0], [500, 321], True, left=127)
     torch.testing.assert_close(out.double(), exact, rtol=0, atol=2e-5)
+
+
+def test_a_compiler_that_hangs_is_stopped_with_its_children(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``CC`` that never ends, and starts a child that never ends: past the limit the whole
+    group is killed, nothing is left in the cache folder, and the reason is one line
+    without the build's temporary folder."""
+    pid_file = tmp_path / "child.pid"
+    compiler = tmp_path / "cc"
+    compiler.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = --version ]; then echo hanging-cc 1.0; exit 0; fi\n'
+        f"sleep 300 & echo $! > {pid_file}\n"
+        "sleep 300\n"
+    )
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "built"))
+    monkeypatch.setattr(_native, "_BUILD_SECONDS", 1.0)
+    _native.library.cache_clear()
+    try:
+        assert _native.library("_decode") is None
+        reason = _native.why_not("_decode")
+        assert reason == "building _decode.c failed: no answer within 1 s (stopped)"
+        assert list((tmp_path / "built" / "native").iterdir()) == []
+        child = int(pid_file.read_text())
+        for _ in range(50):  # the killed child is reaped by init in a moment
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"the compiler's child {child} outlived the build")
+    finally:
+        _native.library.cache_clear()

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import signal
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -490,11 +492,14 @@ def run_file(
 def _mentions_torch(path: Path) -> bool:
     """Whether the student's file names torch (its process then imports torch before the
     student's time starts; a NumPy file is spared 1.5 s of start-up)."""
-    try:
-        with path.open("rb") as file:
-            return b"torch" in file.read(MAX_SOURCE_BYTES + 1)  # the rest is refused
+    try:  # non-blocking: a FIFO in the file's place must not hold the judge
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return True  # the load will say what is wrong with the file
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return True  # no regular file: the load refuses it
+        return b"torch" in file.read(MAX_SOURCE_BYTES + 1)  # the rest is refused
 
 
 def _judge(

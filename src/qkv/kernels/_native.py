@@ -16,12 +16,14 @@ user could have written is not loaded.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -29,6 +31,7 @@ from pathlib import Path
 
 __all__ = ["FLAGS", "library", "why_not"]
 
+_VERSION_SECONDS, _BUILD_SECONDS = 30.0, 120.0
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread", "-fno-math-errno")
 _lock = threading.Lock()
 _reasons: dict[str, str] = {}
@@ -71,11 +74,9 @@ def library(name: str) -> ctypes.CDLL | None:
         return None
     source = (Path(__file__).parent / f"{name}.c").read_bytes()
     try:
-        version = subprocess.run(
-            [compiler, "--version"], capture_output=True, timeout=30, check=False
-        ).stdout
+        version = _run([compiler, "--version"], _VERSION_SECONDS).stdout
     except (OSError, subprocess.TimeoutExpired) as error:
-        _reasons[name] = f"{compiler} --version failed: {error}"
+        _reasons[name] = f"{compiler} --version failed: {_said(error)}"
         return None
     key = hashlib.sha256(
         b"\0".join([source, " ".join(FLAGS).encode(), version, _processor().encode()])
@@ -106,20 +107,39 @@ def _build(compiler: str, name: str, source: bytes, folder: Path, target: Path) 
         with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as work:
             c_file, built = Path(work) / f"{name}.c", Path(work) / f"{name}.so"
             c_file.write_bytes(source)
-            done = subprocess.run(
-                [compiler, *FLAGS, "-o", str(built), str(c_file), "-lm"],
-                capture_output=True,
-                timeout=120,
-                check=False,
-            )
+            done = _run([compiler, *FLAGS, "-o", str(built), str(c_file), "-lm"], _BUILD_SECONDS)
             if done.returncode != 0:
-                message = done.stderr.decode(errors="replace").strip().splitlines()
-                return f"{compiler} failed: {message[-1] if message else done.returncode}"
+                said = done.stderr.decode(errors="replace").replace(f"{work}/", "")
+                lines = said.strip().splitlines()
+                return f"{compiler} failed: {lines[-1] if lines else done.returncode}"
             built.chmod(0o755)  # whatever the umask: only its owner may write it
             os.replace(built, target)
     except (OSError, subprocess.TimeoutExpired) as error:
-        return f"building {name}.c failed: {error}"
+        return f"building {name}.c failed: {_said(error)}"
     return ""
+
+
+def _run(argv: list[str], seconds: float) -> subprocess.CompletedProcess[bytes]:
+    """Run ``argv`` in a session of its own; past ``seconds`` the whole group is killed
+    (the compiler's own children too: cc1, as, ld) and TimeoutExpired raised."""
+    with subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    ) as process:
+        try:
+            out, err = process.communicate(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise
+    return subprocess.CompletedProcess(argv, process.returncode, out, err)
+
+
+def _said(error: BaseException) -> str:
+    """What went wrong, without the build's temporary folder."""
+    if isinstance(error, subprocess.TimeoutExpired):
+        return f"no answer within {error.timeout:g} s (stopped)"
+    return getattr(error, "strerror", None) or str(error)
 
 
 def _unsafe(built: Path) -> str:
